@@ -1,0 +1,313 @@
+"""A minimal Llama-family transformer with a static, preallocated KV cache.
+
+Every forward takes explicit per-row RoPE positions and explicit cache slots, so the same
+code runs prefill, one-token decode, batched rows at different positions, and token-tree
+verification (positions = prefix length + depth, a mask that shows each node its ancestors).
+"""
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layer: int = 32
+    n_head: int = 32
+    n_local_heads: int = -1  # key/value heads (grouped-query attention); -1 means n_head
+    head_dim: int = 0  # 0 means dim // n_head
+    intermediate_size: int = 0  # 0 means the Llama rule from dim
+    vocab_size: int = 32000
+    block_size: int = 2048  # max positions the model was trained for
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    rope_scaling: Optional[dict] = None  # Hugging Face form, e.g. {"rope_type": "llama3", ...}
+    tie_word_embeddings: bool = False
+    bos_token_id: Optional[int] = 1
+    eos_token_ids: list = field(default_factory=lambda: [2])
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_head
+        if not self.intermediate_size:
+            hidden = int(2 * 4 * self.dim / 3)
+            self.intermediate_size = 256 * ((hidden + 255) // 256)
+        if self.n_head % self.n_local_heads:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_local_heads={self.n_local_heads}")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        rope_scaling = cfg.get("rope_scaling")
+        eos = cfg.get("eos_token_id", 2)
+        return cls(
+            dim=cfg["hidden_size"],
+            n_layer=cfg["num_hidden_layers"],
+            n_head=cfg["num_attention_heads"],
+            n_local_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            block_size=cfg.get("max_position_embeddings", 2048),
+            rope_base=float(cfg.get("rope_theta", (rope_scaling or {}).get("rope_theta", 10000.0))),
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []),
+        )
+
+    def to_hf_config(self) -> dict:
+        eos = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": self.dim, "num_hidden_layers": self.n_layer,
+            "num_attention_heads": self.n_head, "num_key_value_heads": self.n_local_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.block_size,
+            "rope_theta": self.rope_base, "rms_norm_eps": self.norm_eps,
+            "rope_scaling": self.rope_scaling, "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id, "eos_token_id": eos,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        }
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        """Known shapes, matched by the longest table key contained in `name` (case-insensitive)."""
+        lowered = name.lower()
+        matches = [key for key in KNOWN_CONFIGS if key.lower() in lowered]
+        if not matches:
+            raise ValueError(
+                f"unknown model '{name}': add a Hugging Face config.json beside the checkpoint, "
+                f"or use one of: {', '.join(KNOWN_CONFIGS)}")
+        return cls(**KNOWN_CONFIGS[max(matches, key=len)])
+
+    @classmethod
+    def from_checkpoint_dir(cls, directory) -> "ModelArgs":
+        directory = Path(directory)
+        config = directory / "config.json"
+        if config.is_file():
+            return cls.from_hf_config(json.loads(config.read_text()))
+        return cls.from_name(directory.name)
+
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA32_SCALING = dict(_LLAMA3_SCALING, factor=32.0)
+_LLAMA3_TOKENS = dict(vocab_size=128256, bos_token_id=128000, eos_token_ids=[128001, 128008, 128009])
+
+KNOWN_CONFIGS = {
+    "stories15M": dict(n_layer=6, n_head=6, dim=288, intermediate_size=768, block_size=256),
+    "stories110M": dict(n_layer=12, n_head=12, dim=768, intermediate_size=2048, block_size=1024),
+    "TinyLlama-1.1B": dict(n_layer=22, n_head=32, n_local_heads=4, dim=2048, intermediate_size=5632),
+    "Llama-2-7b": dict(n_layer=32, n_head=32, dim=4096, intermediate_size=11008, block_size=4096),
+    "Llama-2-13b": dict(n_layer=40, n_head=40, dim=5120, intermediate_size=13824, block_size=4096),
+    "Llama-2-70b": dict(n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672,
+                        block_size=4096),
+    "CodeLlama-7b": dict(n_layer=32, n_head=32, dim=4096, intermediate_size=11008, vocab_size=32016,
+                         rope_base=1e6, block_size=16384),
+    "CodeLlama-34b": dict(n_layer=48, n_head=64, n_local_heads=8, dim=8192, intermediate_size=22016,
+                          rope_base=1e6, block_size=16384),
+    "Mistral-7B": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+                       block_size=32768),
+    "Meta-Llama-3-8B": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+                            rope_base=500000.0, block_size=8192, **_LLAMA3_TOKENS),
+    "Meta-Llama-3-70B": dict(n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672,
+                             rope_base=500000.0, block_size=8192, **_LLAMA3_TOKENS),
+    "Llama-3.1-8B": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+                         rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA3_SCALING,
+                         **_LLAMA3_TOKENS),
+    "Llama-3.1-70B": dict(n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672,
+                          rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA3_SCALING,
+                          **_LLAMA3_TOKENS),
+    "Llama-3.1-405B": dict(n_layer=126, n_head=128, n_local_heads=8, dim=16384, intermediate_size=53248,
+                           rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA3_SCALING,
+                           **_LLAMA3_TOKENS),
+    "Llama-3.2-1B": dict(n_layer=16, n_head=32, n_local_heads=8, dim=2048, intermediate_size=8192,
+                         head_dim=64, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING,
+                         tie_word_embeddings=True, **_LLAMA3_TOKENS),
+    "Llama-3.2-3B": dict(n_layer=28, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192,
+                         head_dim=128, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING,
+                         tie_word_embeddings=True, **_LLAMA3_TOKENS),
+}
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values, [batch, kv_heads, max_seq_length, head_dim]; written in place."""
+
+    def __init__(self, batch_size, max_seq_length, n_heads, head_dim, dtype):
+        super().__init__()
+        shape = (batch_size, n_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, slots: Tensor, k: Tensor, v: Tensor):
+        # slots: [B, T]; k, v: [B, T, H, D]; row b writes its T entries at slots[b]
+        rows = torch.arange(slots.shape[0], device=slots.device).unsqueeze(1)
+        self.k_cache[rows, :, slots] = k
+        self.v_cache[rows, :, slots] = v
+        return self.k_cache, self.v_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = args.n_head, args.n_local_heads, args.head_dim
+        q_size, kv_size = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
+        self.wqkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=False)
+        self.wo = nn.Linear(q_size, args.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        n_q, n_kv = self.n_head, self.n_local_heads  # per-shard counts under tensor parallelism
+        q, k, v = self.wqkv(x).split([n_q * self.head_dim, n_kv * self.head_dim, n_kv * self.head_dim], dim=-1)
+        q = apply_rope(q.view(B, T, n_q, self.head_dim), rope)
+        k = apply_rope(k.view(B, T, n_kv, self.head_dim), rope)
+        v = v.view(B, T, n_kv, self.head_dim)
+        keys, values = self.kv_cache.update(slots, k, v)
+        # grouped-query attention without copying the cache: fold the query heads of a group into
+        # the sequence dimension, [B, n_kv, group * T, D], and repeat the mask to match
+        group = n_q // n_kv
+        q = q.view(B, T, n_kv, group, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, n_kv, group * T, -1)
+        if group > 1:
+            mask = mask.unsqueeze(2).expand(B, 1, group, T, mask.shape[-1]).reshape(B, 1, group * T, -1)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = y.view(B, n_kv, group, T, self.head_dim).permute(0, 3, 1, 2, 4).reshape(B, T, n_q * self.head_dim)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, rope, mask, slots):
+        h = x + self.attention(self.attention_norm(x), rope, mask, slots)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None):
+        """Allocate the KV cache and RoPE table once; nothing is reallocated per token."""
+        if self.max_batch_size >= max_batch_size and self.max_seq_length >= max_seq_length:
+            return
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        if not dtype.is_floating_point:  # quantized embeddings keep their scales' dtype
+            dtype = torch.float32
+        device = self.tok_embeddings.weight.device
+        for layer in self.layers:
+            attn = layer.attention
+            attn.kv_cache = KVCache(max_batch_size, max_seq_length, attn.n_local_heads, attn.head_dim, dtype).to(device)
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        positions = max(max_seq_length, self.args.block_size)
+        self.register_buffer("rope_table", precompute_rope(self.args, positions).to(device), persistent=False)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None,
+                mask: Optional[Tensor] = None) -> Tensor:
+        """idx, input_pos: [B, T] token ids and their RoPE positions.
+        slots: [B, T] cache slots to write (default: input_pos).
+        mask: [B, 1, T, max_seq_length] bool, True where a query may attend to a cache slot
+        (default: causal over slots, i.e. every slot <= the query's own)."""
+        if self.max_seq_length < 0:
+            raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
+        if slots is None:
+            slots = input_pos
+        if mask is None:
+            cache_slots = torch.arange(self.max_seq_length, device=idx.device)
+            mask = (cache_slots.view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1))
+        rope = self.rope_table[input_pos]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, rope, mask, slots)
+        return self.output(self.norm(x))
+
+    def model_bytes(self) -> int:
+        """Bytes of weights read per decoded token (parameters and quantization buffers)."""
+        tensors = {id(t): t for t in list(self.parameters()) + [b for n, b in self.named_buffers()
+                                                                if "cache" not in n and "rope" not in n]}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def rope_inverse_frequencies(args: ModelArgs) -> Tensor:
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        # Llama 3.1 frequency rescaling: long wavelengths slowed by `factor`, short ones kept,
+        # a smooth blend between low_freq_factor and high_freq_factor
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope_scaling type '{kind}' is not supported (supported: default, linear, llama3)")
+
+
+def precompute_rope(args: ModelArgs, positions: int) -> Tensor:
+    """cos/sin table [positions, head_dim // 2, 2], float32, as Hugging Face computes it."""
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32), rope_inverse_frequencies(args))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    # rotate each pair (x[2i], x[2i+1]) by the angle of position * frequency_i (RoFormer, Su et al.)
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope = rope.unsqueeze(2)  # [B, T, 1, D/2, 2]
+    out = torch.stack([xf[..., 0] * rope[..., 0] - xf[..., 1] * rope[..., 1],
+                       xf[..., 1] * rope[..., 0] + xf[..., 0] * rope[..., 1]], dim=-1)
+    return out.flatten(3).type_as(x)
