@@ -1,0 +1,399 @@
+"""Speculative decoding: draft sources, token-tree verification, KV-cache compaction, acceptance stats.
+
+Every step drafts a token tree rooted at the current token, scores all of its nodes in ONE target
+forward (tree attention: positions = prefix length + depth, each node sees the prefix and its own
+ancestors), accepts a root-to-node path plus one token from the target, and moves the accepted
+path's keys/values to contiguous cache slots. A chain (--tree_nodes == --speculate_k) is the tree
+with one child per node; the n-gram drafter feeds the same verifier.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from generate import Engine, Sampling, UserError, logits_to_probs, sample, sample_from, sdpa_context
+
+NO_PARENT = -2  # padding node: not part of the tree, never accepted
+
+
+@dataclass
+class Tree:
+    """Root (index 0, the current token) plus drafted nodes, parents listed before children.
+    proposals[i] is the distribution node i was sampled from, or None where the children were
+    chosen deterministically (then the proposal is a point mass on the chosen token)."""
+    tokens: list
+    parents: list
+    depths: list
+    proposals: list
+
+    def children(self):
+        kids = [[] for _ in self.tokens]
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                kids[parent].append(node)
+        return kids
+
+    def pad_to(self, size: int):
+        while len(self.tokens) < size:
+            self.tokens.append(0)
+            self.parents.append(NO_PARENT)
+            self.depths.append(0)
+            self.proposals.append(None)
+        return self
+
+
+def tree_mask(parents: list, start: int, max_seq_length: int, device) -> Tensor:
+    """[1, 1, n, max_seq_length] bool: node i at slot start+i sees slots < start and its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, max_seq_length, dtype=torch.bool)
+    mask[:, :start] = True
+    for i, parent in enumerate(parents):
+        mask[i, start + i] = True
+        if parent >= 0:
+            mask[i, start:start + n] |= mask[parent, start:start + n]
+    return mask.view(1, 1, n, max_seq_length).to(device)
+
+
+def verify(tree: Tree, target_probs: Tensor):
+    """Pick the accepted path and the next token; lossless for any drafter.
+
+    Multi-candidate speculative sampling (SpecInfer, Miao et al. 2023; one child per node is the
+    rule of Leviathan et al. 2023 / Chen et al. 2023): at a node with target distribution p, try its
+    children in order; child x drawn from proposal q is accepted with probability min(1, p(x)/q(x)),
+    else p becomes the residual norm(max(0, p - q)) before the next sibling is tried. A child chosen
+    deterministically has q = point mass on x: accepted with probability p(x), residual = p without x
+    (the without-replacement variant). With temperature 0, p is one-hot and this is exact argmax
+    matching. If no child is accepted the next token is sampled from the last residual."""
+    kids = tree.children()
+    node, path = 0, []
+    while True:
+        p = target_probs[node]
+        accepted = None
+        for child in kids[node]:
+            x = tree.tokens[child]
+            q = tree.proposals[child]
+            ratio = p[x] / q[x] if q is not None else p[x]
+            if torch.rand((), device=p.device) < ratio:
+                accepted = child
+                break
+            residual = (p - q).clamp_min(0) if q is not None else p.index_fill(0, torch.tensor([x], device=p.device), 0)
+            total = residual.sum()
+            p = residual / total if total > 0 else p
+        if accepted is None:
+            return path, int(sample_from(p))
+        path.append(accepted)
+        node = accepted
+
+
+def move_cache_slots(model, src: list, dst: list):
+    """Copy keys/values of cache slots src -> dst (every layer, every row); gather before writing."""
+    pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+    if not pairs:
+        return
+    device = model.tok_embeddings.weight.device
+    src_t = torch.tensor([s for s, _ in pairs], device=device)
+    dst_t = torch.tensor([d for _, d in pairs], device=device)
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        cache.k_cache[:, :, dst_t] = cache.k_cache[:, :, src_t]
+        cache.v_cache[:, :, dst_t] = cache.v_cache[:, :, src_t]
+
+
+class TreeSpeculator:
+    """The generation loop shared by every drafter: draft a tree, verify, compact, repeat."""
+    kind = "tree"
+
+    def __init__(self, depth: int, tree_nodes: int, auto_depth: bool = False):
+        self.depth, self.tree_nodes, self.auto_depth = depth, tree_nodes, auto_depth
+        self.lookahead = tree_nodes + 2
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.accept_counts = [0] * (self.depth + 1)
+        self.target_forwards = 0
+        self.draft_forwards = 0
+        self.drafted = 0
+
+    def compile(self, device):
+        pass
+
+    def generate(self, target: Engine, prompt: Tensor, first: Tensor, max_new_tokens: int, sampling: Sampling,
+                 eos_ids: list, stop_at_eos: bool, callback=None):
+        self.reset_stats()
+        self.target_forwards = 1  # the prefill
+        model, device = target.model, prompt.device
+        eos = set(eos_ids)
+        pos = prompt.numel()  # slot of the current (last accepted, not yet cached) token
+        history = prompt.tolist()
+        out = [int(first[0])]
+        if callback:
+            callback(first)
+        self.start(prompt, model.max_seq_length)
+        depth = self.depth if not self.auto_depth else min(2, self.depth)
+        while len(out) < max_new_tokens and not (stop_at_eos and out[-1] in eos):
+            tree = self.draft(out[-1], pos, depth, history + out, sampling)
+            tree.pad_to(self.tree_nodes + 1)
+            n = len(tree.tokens)
+            tokens = torch.tensor([tree.tokens], device=device)
+            input_pos = torch.tensor([[pos + d for d in tree.depths]], device=device)
+            slots = torch.arange(pos, pos + n, device=device).view(1, -1)
+            mask = tree_mask(tree.parents, pos, model.max_seq_length, device)
+            with sdpa_context():
+                logits = target.forward(tokens, input_pos, slots, mask)
+            self.target_forwards += 1
+            path, next_token = verify(tree, logits_to_probs(logits[0], sampling))
+            move_cache_slots(model, [pos + node for node in path], list(range(pos + 1, pos + 1 + len(path))))
+            self.accepted(path, tree, pos)
+            self.accept_counts[len(path)] += 1
+            self.drafted += depth
+            new = [tree.tokens[node] for node in path] + [next_token]
+            if self.auto_depth:  # grow after a fully accepted chain, shrink after a rejection
+                depth = min(self.depth, depth + 2) if len(path) == depth else max(1, depth - 1)
+            pos += len(new)
+            for t in new:
+                if len(out) >= max_new_tokens or (stop_at_eos and out[-1] in eos):
+                    break
+                out.append(t)
+                if callback:
+                    callback(torch.tensor([t]))
+        self.finish(out)
+        return [out], self.summary()
+
+    def summary(self) -> dict:
+        steps = max(sum(self.accept_counts), 1)
+        accepted = sum(i * c for i, c in enumerate(self.accept_counts))
+        return {
+            "accept_counts": list(self.accept_counts),
+            "mean_accepted": accepted / steps,
+            "acceptance_rate": accepted / max(self.drafted, 1),
+            "tokens_per_target_forward": (accepted + steps) / steps,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "speculate_k": self.depth, "tree_nodes": self.tree_nodes,
+        }
+
+    # drafter hooks
+    def start(self, prompt: Tensor, max_seq_length: int):
+        pass
+
+    def finish(self, tokens: list):
+        pass
+
+    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
+        raise NotImplementedError
+
+    def accepted(self, path: list, tree: Tree, pos: int):
+        pass
+
+
+class DraftModelSpeculator(TreeSpeculator):
+    """A small draft model grows the tree one depth per forward (EAGLE-2 style dynamic tree):
+    expand the `width` most probable nodes of the newest depth, give each its `width` most probable
+    children, and keep the tree_nodes best nodes overall by cumulative draft log-probability.
+    With width 1 (tree_nodes == depth) this is the classic chain, and at temperature > 0 each
+    child is *sampled* from the draft's warped distribution, which is then the q of verify()."""
+    kind = "draft"
+
+    def __init__(self, draft_model, depth: int, tree_nodes: int, auto_depth: bool = False):
+        super().__init__(depth, tree_nodes, auto_depth)
+        self.draft_model = draft_model
+        self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth) + 1))
+        self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
+        self.engine = Engine(draft_model)
+
+    def compile(self, device):
+        from generate import compile_engine
+        self.engine = compile_engine(self.draft_model, device, compile_prefill=True)
+
+    def start(self, prompt: Tensor, max_seq_length: int):
+        self.draft_model.setup_caches(1, max_seq_length)
+        input_pos = torch.arange(prompt.numel(), device=prompt.device).view(1, -1)
+        with sdpa_context():
+            self.engine.prefill(self.draft_model, prompt.view(1, -1), input_pos, Sampling())
+        self.draft_forwards += 1
+        self.pending = []  # accepted tokens not yet in the draft's cache (before the root)
+
+    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
+        model, device = self.draft_model, self.draft_model.tok_embeddings.weight.device
+        # depth 1: catch up on the pending token (if any) and read the root's distribution
+        feed = self.pending + [root]
+        start = pos - len(self.pending)
+        x = torch.tensor([feed], device=device)
+        input_pos = torch.arange(start, pos + 1, device=device).view(1, -1)
+        with sdpa_context():
+            logits = self.engine.forward(x, input_pos)[0, -1:]
+        self.draft_forwards += 1
+        self.pending = []
+        tree = Tree([root], [-1], [0], [None])
+        self.draft_slot = {0: pos}
+        frontier = [0]
+        scores = [0.0]
+        for d in range(1, depth + 1):
+            newest = []
+            for row, parent in enumerate(frontier):
+                for token, proposal, logp in self.choose_children(logits[row], sampling):
+                    tree.tokens.append(token)
+                    tree.parents.append(parent)
+                    tree.depths.append(d)
+                    tree.proposals.append(proposal)
+                    scores.append(scores[parent] + logp)
+                    newest.append(len(tree.tokens) - 1)
+            if d == depth:
+                break
+            frontier = sorted(newest, key=lambda i: -scores[i])[: self.width]
+            # one forward over the whole frontier, each node seeing the prefix and its ancestors
+            base = pos + 1 + (d - 1) * self.width
+            for j, node in enumerate(frontier):
+                self.draft_slot[node] = base + j
+            mask = self.frontier_mask(tree, frontier, pos, base)
+            x = torch.tensor([[tree.tokens[n] for n in frontier]], device=device)
+            input_pos = torch.full((1, len(frontier)), pos + d, device=device)
+            slots = torch.arange(base, base + len(frontier), device=device).view(1, -1)
+            if len(frontier) < self.width:  # keep one static shape: pad with copies of the last node
+                extra = self.width - len(frontier)
+                x = torch.cat([x, x[:, -1:].expand(1, extra)], 1)
+                input_pos = torch.cat([input_pos, input_pos[:, -1:].expand(1, extra)], 1)
+                slots = torch.cat([slots, torch.arange(base + len(frontier), base + self.width, device=device).view(1, -1)], 1)
+                mask = torch.cat([mask, mask[:, :, -1:].expand(1, 1, extra, mask.shape[-1])], 2)
+            with sdpa_context():
+                logits = self.engine.forward(x, input_pos, slots, mask)[0]
+            self.draft_forwards += 1
+        return self.select(tree, scores)
+
+    def frontier_mask(self, tree: Tree, frontier: list, pos: int, base: int) -> Tensor:
+        S = self.draft_model.max_seq_length
+        mask = torch.zeros(len(frontier), S, dtype=torch.bool)
+        mask[:, : pos + 1] = True
+        for j, node in enumerate(frontier):
+            n = node
+            while n > 0:
+                mask[j, self.draft_slot[n]] = True
+                n = tree.parents[n]
+        return mask.view(1, 1, len(frontier), S).to(self.draft_model.tok_embeddings.weight.device)
+
+    def choose_children(self, logits: Tensor, sampling: Sampling):
+        """[(token, proposal distribution or None, log-probability for ranking)]"""
+        if self.width == 1:
+            token, q = sample(logits.view(1, -1), sampling)
+            return [(int(token[0]), q[0], 0.0)]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logp, self.width)
+        return [(int(t), None, float(v)) for t, v in zip(top.indices, top.values)]
+
+    def select(self, tree: Tree, scores: list) -> Tree:
+        """Keep the tree_nodes best nodes; a child never outranks its parent, so the result is a tree."""
+        drafted = range(1, len(tree.tokens))
+        keep = sorted(drafted, key=lambda i: (-scores[i], tree.depths[i], i))[: self.tree_nodes]
+        keep = sorted(keep, key=lambda i: (tree.depths[i], i))
+        index = {0: 0}
+        out = Tree([tree.tokens[0]], [-1], [0], [None])
+        for i in keep:
+            index[i] = len(out.tokens)
+            out.tokens.append(tree.tokens[i])
+            out.parents.append(index[tree.parents[i]])
+            out.depths.append(tree.depths[i])
+            out.proposals.append(tree.proposals[i])
+        self.kept_draft_slot = {index[i]: s for i, s in self.draft_slot.items() if i in index}
+        return out
+
+    def accepted(self, path: list, tree: Tree, pos: int):
+        """Compact the draft's cache like the target's; a last accepted node the draft never consumed
+        is fed at the start of the next step."""
+        fed = [node for node in path if node in self.kept_draft_slot]
+        move_cache_slots(self.draft_model, [self.kept_draft_slot[n] for n in fed],
+                         list(range(pos + 1, pos + 1 + len(fed))))
+        self.pending = [tree.tokens[n] for n in path[len(fed):]]
+        assert len(self.pending) <= 1
+
+
+class NgramSpeculator(TreeSpeculator):
+    """Draft-free drafting (Lookahead, Zhao et al. 2023): continuations of the current suffix found
+    earlier in the prompt and output (kept across the samples of one run) are merged into a trie;
+    its most frequent branches become the tree. Children are chosen deterministically."""
+    kind = "ngram"
+
+    def __init__(self, n: int, depth: int, tree_nodes: int):
+        super().__init__(depth, tree_nodes)
+        self.n = n
+        self.corpus = []  # earlier samples' ids, searched along with the current context
+
+    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
+        trie = {}  # token -> [count, subtrie]
+        for size in range(self.n - 1, 0, -1):  # back off from the longest suffix that occurs
+            suffix = context[-size:]
+            found = 0
+            for text in (context, *self.corpus):
+                limit = len(text) - size if text is context else len(text) - size + 1
+                for i in range(limit):
+                    if text[i:i + size] == suffix:
+                        node = trie
+                        for t in text[i + size:i + size + depth]:
+                            entry = node.setdefault(t, [0, {}])
+                            entry[0] += 1
+                            node = entry[1]
+                        found += 1
+            if found:
+                break
+        return self.best_first(root, trie)
+
+    def best_first(self, root: int, trie: dict) -> Tree:
+        tree = Tree([root], [-1], [0], [None])
+        frontier = [(-count, 1, token, sub, 0) for token, (count, sub) in trie.items()]
+        while frontier and len(tree.tokens) <= self.tree_nodes:
+            frontier.sort(key=lambda f: (f[0], f[1]))
+            neg, depth, token, sub, parent = frontier.pop(0)
+            tree.tokens.append(token)
+            tree.parents.append(parent)
+            tree.depths.append(depth)
+            tree.proposals.append(None)
+            me = len(tree.tokens) - 1
+            frontier += [(-c, depth + 1, t, s, me) for t, (c, s) in sub.items()]
+        return tree
+
+    def finish(self, tokens: list):
+        self.corpus.append(tokens)
+
+
+def check_same_vocabulary(target, draft, tokenizer, args):
+    if target.args.vocab_size != draft.args.vocab_size:
+        raise UserError(
+            f"draft vocabulary ({draft.args.vocab_size} tokens, {args.draft_checkpoint_path}) differs from the "
+            f"target's ({target.args.vocab_size}, {args.checkpoint_path}): pick a draft from the same model family")
+    from tokenizer import get_tokenizer
+    try:
+        draft_tokenizer = get_tokenizer(args.draft_checkpoint_path.parent)
+    except FileNotFoundError:
+        return
+    probe = "def main():\n    return 42  # The quick brown fox"
+    if draft_tokenizer.encode(probe) != tokenizer.encode(probe):
+        raise UserError("the draft's tokenizer differs from the target's: pick a draft from the same model family")
+
+
+def make_drafter(args, draft_model, device) -> Optional[TreeSpeculator]:
+    auto = args.speculate_k == "auto"
+    depth = 8 if auto else int(args.speculate_k)
+    if args.draft_ngram and draft_model is not None:
+        raise UserError("--draft_ngram drafts without a model: drop --draft_checkpoint_path or --draft_ngram")
+    if draft_model is None and not args.draft_ngram:
+        if args.tree_nodes is not None:
+            raise UserError("--tree_nodes needs a draft: add --draft_checkpoint_path or --draft_ngram N")
+        return None
+    nodes = args.tree_nodes if args.tree_nodes is not None else depth
+    if nodes < depth:
+        raise UserError(f"--tree_nodes ({nodes}) must be >= --speculate_k ({depth}): a tree holds at least one chain")
+    if auto and nodes != depth:
+        raise UserError("--speculate_k auto adapts a chain: drop --tree_nodes")
+    if args.draft_ngram:
+        if args.draft_ngram < 2:
+            raise UserError("--draft_ngram N needs N >= 2 (N - 1 tokens of context find the continuation)")
+        return NgramSpeculator(args.draft_ngram, depth, nodes)
+    return DraftModelSpeculator(draft_model, depth, nodes, auto)
+
+
+def format_stats(stats: dict) -> str:
+    return (f"Acceptance: mean accepted {stats['mean_accepted']:.2f} of K={stats['speculate_k']} "
+            f"(rate {stats['acceptance_rate']:.1%}, {stats['tokens_per_target_forward']:.2f} tokens per target "
+            f"forward), accept_counts {stats['accept_counts']}, target forwards {stats['target_forwards']}, "
+            f"draft forwards {stats['draft_forwards']}")
