@@ -78,13 +78,18 @@ def verify(tree: Tree, target_probs: Tensor):
             if torch.rand((), device=p.device) < ratio:
                 accepted = child
                 break
-            residual = (p - q).clamp_min(0) if q is not None else p.index_fill(0, torch.tensor([x], device=p.device), 0)
-            total = residual.sum()
-            p = residual / total if total > 0 else p
+            p = residual(p, q, x)
         if accepted is None:
             return path, int(sample_from(p))
         path.append(accepted)
         node = accepted
+
+
+def residual(p: Tensor, q: Optional[Tensor], x: int) -> Tensor:
+    """norm(max(0, p - q)): what the target still owes after rejecting x drawn from q (q=None: point mass)."""
+    rest = (p - q).clamp_min(0) if q is not None else p.index_fill(0, torch.tensor([x], device=p.device), 0)
+    total = rest.sum()
+    return rest / total if total > 0 else p
 
 
 def move_cache_slots(model, src: list, dst: list):
