@@ -1,0 +1,163 @@
+"""generate.py: the CLI contract (stats JSON, stopping rules, errors) and compiled == eager."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import generate
+from conftest import ROOT, write_checkpoint
+
+DESIGN_FIELDS = {"device", "precision", "compile", "speculative", "prompt_tokens", "samples", "tokens_per_sec",
+                 "bandwidth_gbs", "model_bytes", "compile_seconds"}
+
+
+def run(checkpoint, *extra, prompt="def main(", n=24):
+    return generate.main(["--checkpoint_path", str(checkpoint), "--prompt", prompt, "--max_new_tokens", str(n),
+                          "--num_samples", "1", "--temperature", "0", *extra])
+
+
+def greedy_reference(checkpoint, prompt_ids, n):
+    """Greedy decoding by full forwards over the growing sequence: no KV cache involved."""
+    model = generate.load_model(checkpoint)
+    ids = list(prompt_ids)
+    model.setup_caches(1, len(ids) + n + 1)
+    for _ in range(n):
+        x = torch.tensor([ids])
+        ids.append(int(model(x, torch.arange(len(ids)).view(1, -1))[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def test_greedy_matches_full_forward_reference(random_target):
+    stats = run(random_target, "--ignore_eos")
+    assert stats["samples"][0]["tokens"] == greedy_reference(random_target, stats["prompt_tokens"], 24)
+
+
+def test_stats_json_has_design_fields(random_target, tmp_path):
+    path = tmp_path / "stats.json"
+    run(random_target, "--ignore_eos", "--stats_json", str(path), n=8)
+    stats = json.loads(path.read_text())
+    assert DESIGN_FIELDS <= stats.keys()
+    assert stats["speculative"] == "none" and stats["device"] == "cpu" and stats["precision"] == "fp32"
+    sample = stats["samples"][0]
+    assert len(sample["tokens"]) == 8 and sample["tokens_per_sec"] > 0 and isinstance(sample["text"], str)
+    assert stats["prompt_tokens"][0] == 1  # BOS
+    assert stats["model_bytes"] == sum(p.numel() * 4 for p in generate.load_model(random_target).parameters())
+
+
+def test_synthetic_integer_prompt(random_target):
+    stats = run(random_target, "--ignore_eos", prompt="17", n=4)
+    assert len(stats["prompt_tokens"]) == 18  # BOS + 17
+
+
+def test_never_more_than_max_new_tokens_and_stops_at_eos(random_target, tmp_path, tokenizer_model):
+    tokens = run(random_target, "--ignore_eos", n=30)["samples"][0]["tokens"]
+    for n in (1, 2, 7):
+        assert run(random_target, "--ignore_eos", n=n)["samples"][0]["tokens"] == tokens[:n]
+    # make the 6th greedy token the EOS id: generation must stop right after it
+    eos = tokens[5]
+    assert eos not in tokens[:5]
+    directory = tmp_path / "eos"
+    config = json.loads((random_target.parent / "config.json").read_text())
+    write_checkpoint(directory, tokenizer_model, seed=0, dim=64, n_layer=2, n_head=4, n_local_heads=2,
+                     vocab_size=512, block_size=256, eos_token_ids=[eos])
+    assert json.loads((directory / "config.json").read_text())["hidden_size"] == config["hidden_size"]
+    assert run(directory / "model.pth", n=30)["samples"][0]["tokens"] == tokens[:6]
+
+
+def test_batch_rows_equal_single_row(random_target):
+    single = run(random_target, "--ignore_eos", n=10)["samples"][0]["tokens"]
+    batched = run(random_target, "--ignore_eos", "--batch_size", "3", n=10)["samples"][0]["batch_tokens"]
+    assert batched == [single] * 3
+
+
+def test_sampling_is_seeded_and_respects_top_k(random_target):
+    def sampled(seed):
+        return generate.main(["--checkpoint_path", str(random_target), "--prompt", "x = ", "--max_new_tokens", "12",
+                              "--num_samples", "1", "--temperature", "1.0", "--top_k", "1", "--ignore_eos",
+                              "--seed", str(seed)])["samples"][0]["tokens"]
+    # top_k 1 at any temperature is greedy
+    assert sampled(1) == sampled(2) == run(random_target, "--ignore_eos", prompt="x = ", n=12)["samples"][0]["tokens"]
+
+
+def test_logits_to_probs_warping():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+    greedy = generate.logits_to_probs(logits, generate.Sampling(0.0))
+    assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    top2 = generate.logits_to_probs(logits, generate.Sampling(1.0, top_k=2))
+    assert torch.allclose(top2[0, :2], torch.softmax(torch.tensor([2.0, 1.0]), -1)) and top2[0, 2:].sum() == 0
+    p = torch.softmax(logits[0], -1)
+    nucleus = generate.logits_to_probs(logits, generate.Sampling(1.0, top_p=0.6))  # p[0] = 0.5..., needs two
+    assert (nucleus[0] > 0).tolist() == [True, True, False, False, False]
+    assert torch.allclose(nucleus[0, :2], p[:2] / p[:2].sum())
+    sharp = generate.logits_to_probs(logits, generate.Sampling(0.5))
+    assert torch.allclose(sharp, torch.softmax(logits / 0.5, -1))
+
+
+def test_compiled_equals_eager_without_recompiling(random_target):
+    from torch._dynamo.utils import counters
+    prompts = [torch.tensor(p) for p in ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4], [1, 30, 31, 32, 33, 34])]
+    lengths = [12, 20, 7]
+    model = generate.load_model(random_target)
+    eager = [generate.generate(generate.Engine(model), p, n, generate.Sampling(), [], stop_at_eos=False)[0]
+             for p, n in zip(prompts, lengths)]
+    torch._dynamo.reset()
+    counters.clear()
+    engine = generate.compile_engine(model, "cpu", compile_prefill=True)
+    warm = generate.generate(engine, prompts[0], 4, generate.Sampling(), [], stop_at_eos=False)[0]
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = [generate.generate(engine, p, n, generate.Sampling(), [], stop_at_eos=False)[0]
+                for p, n in zip(prompts, lengths)]
+    assert compiled == eager and warm[0] == eager[0][0][:4]
+    # other prompt lengths and decode lengths reuse the graphs compiled during warm-up
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert graphs >= 2  # decode and prefill really were compiled
+
+
+def test_cli_compile_flag_reports_compile_time(random_target):
+    stats = run(random_target, "--ignore_eos", "--compile", n=6)
+    assert stats["compile"] is True and stats["compile_seconds"] > 0
+    assert stats["samples"][0]["tokens"] == run(random_target, "--ignore_eos", n=6)["samples"][0]["tokens"]
+
+
+def error_of(*argv):
+    with pytest.raises((generate.UserError, FileNotFoundError, ValueError)) as info:
+        generate.main(list(argv))
+    return str(info.value)
+
+
+def test_clear_errors(random_target, tmp_path):
+    ck = str(random_target)
+    assert "checkpoint not found" in error_of("--checkpoint_path", str(tmp_path / "nope.pth"))
+    assert "temperature" in error_of("--checkpoint_path", ck, "--temperature", "-1")
+    assert "exceeds the model's context" in error_of("--checkpoint_path", ck, "--prompt", "200",
+                                                     "--max_new_tokens", "100")
+    assert "max_new_tokens" in error_of("--checkpoint_path", ck, "--max_new_tokens", "0")
+    assert "top_p" in error_of("--checkpoint_path", ck, "--top_p", "1.5")
+    no_tokenizer = tmp_path / "stories15M-copy"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((random_target.parent / "config.json").read_text())
+    (no_tokenizer / "model.pth").write_bytes(random_target.read_bytes())
+    assert "no tokenizer.model or tokenizer.json" in error_of("--checkpoint_path", str(no_tokenizer / "model.pth"))
+    unknown = tmp_path / "my-mystery-model"
+    unknown.mkdir()
+    (unknown / "model.pth").write_bytes(random_target.read_bytes())
+    assert "unknown model" in error_of("--checkpoint_path", str(unknown / "model.pth"))
+
+
+def test_cli_error_is_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(tmp_path / "missing.pth")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: checkpoint not found")
+
+
+def test_interactive_streams_answers(random_target):
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(random_target), "--interactive",
+                             "--max_new_tokens", "6", "--temperature", "0", "--ignore_eos"],
+                            cwd=ROOT, input="hello\nhow are you\n", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("What is your prompt?") == 3  # two answers, then end of input
+    assert result.stdout.count("tokens/s") >= 2
