@@ -46,7 +46,12 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        rope_scaling = cfg.get("rope_scaling")
+        # transformers >= 5 writes `rope_parameters` (holding rope_theta too) instead of rope_scaling
+        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+        rope_base = float(cfg.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+        rope.pop("rope_theta", None)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None if kind == "default" else rope
         eos = cfg.get("eos_token_id", 2)
         return cls(
             dim=cfg["hidden_size"],
@@ -57,7 +62,7 @@ class ModelArgs:
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             block_size=cfg.get("max_position_embeddings", 2048),
-            rope_base=float(cfg.get("rope_theta", (rope_scaling or {}).get("rope_theta", 10000.0))),
+            rope_base=rope_base,
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -74,7 +79,7 @@ class ModelArgs:
             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
             "vocab_size": self.vocab_size, "max_position_embeddings": self.block_size,
             "rope_theta": self.rope_base, "rms_norm_eps": self.norm_eps,
-            "rope_scaling": self.rope_scaling, "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None, "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id, "eos_token_id": eos,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
         }
@@ -88,7 +93,10 @@ class ModelArgs:
             raise ValueError(
                 f"unknown model '{name}': add a Hugging Face config.json beside the checkpoint, "
                 f"or use one of: {', '.join(KNOWN_CONFIGS)}")
-        return cls(**KNOWN_CONFIGS[max(matches, key=len)])
+        config = dict(KNOWN_CONFIGS[max(matches, key=len)])
+        if config.get("rope_scaling"):
+            config["rope_scaling"] = dict(config["rope_scaling"])
+        return cls(**config)
 
     @classmethod
     def from_checkpoint_dir(cls, directory) -> "ModelArgs":
@@ -154,7 +162,7 @@ class KVCache(nn.Module):
         rows = torch.arange(slots.shape[0], device=slots.device).unsqueeze(1)
         self.k_cache[rows, :, slots] = k
         self.v_cache[rows, :, slots] = v
-        return self.k_cache, self.v_cache
+        return self.k_cache[:slots.shape[0]], self.v_cache[:slots.shape[0]]
 
 
 class RMSNorm(nn.Module):

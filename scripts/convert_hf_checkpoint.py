@@ -173,15 +173,13 @@ def save_atomically(state_dict: dict, path: Path):
 
 
 def resolve_args(checkpoint_dir: Path, model_name=None) -> ModelArgs:
-    """From config.json; without one, from the known-config table, and write the config.json."""
+    """From config.json; without one, from the known-config table."""
     if (checkpoint_dir / "config.json").is_file():
         return ModelArgs.from_checkpoint_dir(checkpoint_dir)
     try:
-        args = ModelArgs.from_name(model_name or checkpoint_dir.name)
+        return ModelArgs.from_name(model_name or checkpoint_dir.name)
     except ValueError as e:
         raise SystemExit(f"no config.json in {checkpoint_dir} and {e}") from None
-    (checkpoint_dir / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2) + "\n")
-    return args
 
 
 def convert_hf_checkpoint(checkpoint_dir, model_name=None, dtype=None) -> Path:
@@ -193,6 +191,7 @@ def convert_hf_checkpoint(checkpoint_dir, model_name=None, dtype=None) -> Path:
     if not files:
         raise SystemExit(f"no weights found in {checkpoint_dir} (expected *.safetensors or pytorch_model*.bin): "
                          f"run scripts/download.py --repo_id ORG/NAME first")
+    has_config = (checkpoint_dir / "config.json").is_file()
     args = resolve_args(checkpoint_dir, model_name)
     ours = hf_to_ours(load_hf_weights(files), args)
     if dtype is not None:
@@ -200,6 +199,10 @@ def convert_hf_checkpoint(checkpoint_dir, model_name=None, dtype=None) -> Path:
         ours = {k: converted.setdefault(id(v), v.to(dtype)) for k, v in ours.items()}
     out = checkpoint_dir / "model.pth"
     save_atomically(ours, out)
+    if not has_config:  # the checkpoint carries its own config from now on
+        tmp = checkpoint_dir / "config.json.tmp"
+        tmp.write_text(json.dumps(args.to_hf_config(), indent=2) + "\n")
+        os.replace(tmp, checkpoint_dir / "config.json")
     return out
 
 

@@ -161,3 +161,10 @@ def test_interactive_streams_answers(random_target):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("What is your prompt?") == 3  # two answers, then end of input
     assert result.stdout.count("tokens/s") >= 2
+
+
+def test_profile_writes_a_trace(random_target, tmp_path):
+    trace = tmp_path / "trace.json"
+    run(random_target, "--ignore_eos", "--profile", str(trace), n=3)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::" in e.get("name", "") for e in events)
