@@ -51,3 +51,13 @@ def random_target(tmp_path_factory, tokenizer_model) -> Path:
 def random_draft(tmp_path_factory, tokenizer_model) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("draft"), tokenizer_model, seed=1, dim=32, n_layer=1,
                             n_head=2, vocab_size=512, block_size=256)
+
+
+@pytest.fixture(scope="session")
+def trained_pair(tmp_path_factory) -> Path:
+    """A real (barely) trained target/draft pair from scripts/train_tiny.py's test preset: OUT/{target,draft}."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny
+    out = tmp_path_factory.mktemp("trained")
+    train_tiny.main(["--preset", "test", "--out_dir", str(out), "--seed", "0"])
+    return out
