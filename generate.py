@@ -5,6 +5,7 @@
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -136,9 +137,10 @@ def sdpa_context():
 
 # ----------------------------------------------------------------------------- loading
 
-def load_model(checkpoint_path, device="cpu", precision=torch.float32) -> Transformer:
+def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=None) -> Transformer:
     """A checkpoint file (model.pth, or a quantized file written by quantize.py) and the config.json
-    beside it. The file records its own quantization scheme."""
+    beside it. The file records its own quantization scheme. `shard(model)` (tensor parallelism) runs
+    on the memory-mapped weights, so each rank reads and moves to its device only its own slice."""
     path = Path(checkpoint_path)
     if not path.is_file():
         hint = " (pass the model.pth file, not its directory)" if path.is_dir() else \
@@ -158,10 +160,14 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32) -> Transf
     model.load_state_dict(state_dict, assign=True, strict=True)
     if args.tie_word_embeddings and not scheme:
         model.output.weight = model.tok_embeddings.weight
+    if shard is not None:
+        shard(model)
     model = model.to(device=device)
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point() and tensor.dtype != precision and "scales" not in name:
             tensor.data = tensor.data.to(precision)
+    if scheme:
+        quantize.pack_for_device(model)  # int4 on the CPU: the kernel's weight layout, made after sharding
     model.quantization = scheme
     return model.eval().requires_grad_(False)
 
@@ -279,22 +285,21 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     device = args.device
     precision = PRECISIONS[args.precision or ("bf16" if device.startswith("cuda") else "fp32")]
-    rank, world_size = 0, 1
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+    # tensor parallelism when launched by torchrun with more than one process (see tp.py): every rank
+    # runs this same program on the same tokens from the same seed; only rank 0 prints and writes files
+    rank, world_size, shard = 0, 1, None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import tp
         rank, world_size = tp.init_distributed(device)
+        shard = functools.partial(tp.apply_tp, rank=rank, world_size=world_size)
 
     t0 = time.perf_counter()
-    model = load_model(args.checkpoint_path, device, precision)
+    model = load_model(args.checkpoint_path, device, precision, shard=shard)
     tokenizer = get_tokenizer(args.checkpoint_path.parent)
     draft_model = None
-    if args.draft_checkpoint_path is not None:
+    if args.draft_checkpoint_path is not None:  # the draft is small: replicated on every rank (see tp.py)
         draft_model = load_model(args.draft_checkpoint_path, device, precision)
         speculate.check_same_vocabulary(model, draft_model, tokenizer, args)
-    if world_size > 1:
-        tp.apply_tp(model, rank, world_size)
-        if draft_model is not None:
-            pass  # the draft is small: replicated on every rank (see tp.py)
     load_seconds = time.perf_counter() - t0
 
     bos_id = model.args.bos_token_id if model.args.bos_token_id is not None else tokenizer.bos_id
@@ -322,7 +327,9 @@ def main(argv=None) -> dict:
     is_chat = args.interactive
     printer = (lambda *a, **k: print(*a, **k)) if rank == 0 else (lambda *a, **k: None)
     printer(f"Loaded {args.checkpoint_path} in {load_seconds:.2f} s"
-            f"{' (quantization: ' + model.quantization['mode'] + ')' if model.quantization else ''}")
+            f"{' (quantization: ' + model.quantization['mode'] + ')' if model.quantization else ''}"
+            f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
+    read_prompt = tp.read_prompt if world_size > 1 else input  # under TP rank 0 reads, every rank gets the text
     prompt = torch.tensor(prompt_ids, device=device, dtype=torch.long)
     samples, stats = [], {}
     # sample 0 is a warm-up when compiling (its time includes compilation) and is not counted
@@ -332,12 +339,12 @@ def main(argv=None) -> dict:
     while i < total:
         if is_chat:
             try:
-                text = input("What is your prompt? ")
+                text = read_prompt("What is your prompt? ")
             except EOFError:
                 break
             ids = chat_format(tokenizer, text, bos_id)
             prompt = torch.tensor(ids, device=device, dtype=torch.long)
-        profile = args.profile is not None and i == total - 1
+        profile = args.profile is not None and i == total - 1 and rank == 0
         streamed = []
 
         def stream(token):
@@ -433,7 +440,15 @@ def write_json_atomically(path: Path, data: dict):
 
 
 if __name__ == "__main__":
+    # run main() from the module that speculate.py, tp.py and quantize.py import (`import generate`),
+    # so that the UserError they raise is the class caught here, not a second copy made for __main__
+    import generate
     try:
-        main()
-    except (UserError, FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        generate.main()
+        error = None
+    except (generate.UserError, FileNotFoundError, ValueError) as e:
+        error = f"error: {e}"  # one line, no traceback (under torchrun: from every rank)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        import tp
+        tp.end_process(error)
+    sys.exit(error)

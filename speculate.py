@@ -16,6 +16,7 @@ from torch import Tensor
 from generate import Engine, Sampling, UserError, logits_to_probs, sample, sample_from, sdpa_context
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
+GREEDY_RANK_TEMPERATURE = 0.15  # sharpening of the draft's distribution when ranking tree nodes for greedy decoding
 
 
 @dataclass
@@ -204,6 +205,7 @@ class DraftModelSpeculator(TreeSpeculator):
     def __init__(self, draft_model, depth: int, tree_nodes: int, auto_depth: bool = False):
         super().__init__(depth, tree_nodes, auto_depth)
         self.draft_model = draft_model
+        self.kind = "draft" if tree_nodes == depth else "tree"  # stats: a chain, or token-tree verification
         self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth) + 1))
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         self.engine = Engine(draft_model)
@@ -283,7 +285,14 @@ class DraftModelSpeculator(TreeSpeculator):
         if self.width == 1:
             token, q = sample(logits.view(1, -1), sampling)
             return [(int(token[0]), q[0], 0.0)]
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        # Rank children by how likely the target is to accept them. At temperature > 0 a deterministic child x
+        # is accepted with probability p(x) (point-mass proposal), estimated by the draft's own warped q(x).
+        # Greedy verification accepts x iff it is the target's argmax, and for a flat distribution that is far
+        # likelier than q(x): a sharpened q estimates it better (measured in BENCHMARKS.md).
+        if sampling.temperature > 0:
+            logp = logits_to_probs(logits, sampling).clamp_min(1e-30).log()
+        else:
+            logp = torch.log_softmax(logits.float() / GREEDY_RANK_TEMPERATURE, dim=-1)
         top = torch.topk(logp, self.width)
         return [(int(t), None, float(v)) for t, v in zip(top.indices, top.values)]
 

@@ -1,0 +1,287 @@
+"""Weight-only quantization, int8 per output channel or int4 in groups, and the CLI that writes it.
+
+    python quantize.py --checkpoint_path checkpoints/tiny/target/model.pth --mode int8          # -> model_int8.pth
+    python quantize.py --checkpoint_path checkpoints/tiny/target/model.pth --mode int4 --groupsize 32
+                                                                                  # -> model_int4.g32.pth
+Decoding one token reads every weight once, so its speed is bounded by the bytes it reads: int8 holds a
+quarter of fp32's bytes, int4 an eighth. Activations stay in floating point; only weights are quantized.
+
+Schemes (w: one weight, q: the integer stored for it, s: its scale, z: its zero)
+  int8  symmetric, one scale per output row: s = max|w| / 127 over the row, q = round(w / s) in [-127, 127],
+        w ~ q * s.
+  int4  asymmetric, one scale and zero per group of G consecutive inputs of a row (G = --groupsize):
+        s = (max - min) / 15, z = min + 8 s, q = round((w - z) / s) + 8 in [0, 15], w ~ (q - 8) * s + z,
+        so the 16 levels run from the group's min to its max. This is the tinygemm kernels' convention:
+        the CPU kernel reads our scales and zeros as they are.
+  Either way |w - dequantized w| <= s / 2. Scales and zeros are rounded to bfloat16 *before* q is computed,
+  and stored in bfloat16: the CPU kernels take them in bfloat16 only, and every run precision then holds
+  them exactly, so the bound holds as run, not only on paper. (int4: as long as rounding z moves it by
+  less than s / 2, i.e. unless a group sits ~256 steps away from 0; then clamping adds that excess.)
+Which layers
+  wqkv, wo, w1, w2, w3 of every block   int8, or int4 in int4 mode.
+  output                                int8 in both modes: it is read in full every token (for Llama 3.2 1B
+                                        it is a fifth of the weights), and the logits show its error directly:
+                                        int4 there nearly tripled the logits error of the random test model
+                                        (2.4% -> 6.5%), for no speed (the CPU kernels run int4 and int8 at
+                                        about the same speed).
+  tok_embeddings                        full precision: a lookup reads only the rows of the B*T input
+                                        tokens, so quantizing it saves memory but no time per token.
+  tied embeddings (Llama 3.2)           the output gets its own int8 copy; the embedding is left as it is.
+  norms                                 full precision (tiny).
+File
+  {"quantization": scheme, "model": state dict}, scheme {"mode": "int8"} or {"mode": "int4", "groupsize": G};
+  generate.load_model reads the scheme from the file, never from its name. A quantized linear holds
+    int8  weight int8 [N, K], scales bf16 [N]
+    int4  weight uint8 [N, K/2] (two values a byte, column 2i in the low 4 bits, 2i+1 in the high 4 bits),
+          scales_and_zeros bf16 [K/G, N, 2] (the tinygemm layout)
+Kernels
+  CPU   aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu, run on bfloat16 activations
+        whatever the run precision: both are vectorized for bf16 only (on an AVX-512 EPYC their fp32
+        variants ran 20-50x slower). So a quantized fp32 run rounds each linear's input and output to
+        bf16 (relative error ~2^-8, next to int8's own ~2^-8 of a row's largest weight). Each row of the
+        output depends on that row of the input only, bit for bit, so a token scores the same in a
+        one-token decode, a batch or a speculative verification. The int4 kernel's weight layout depends
+        on the CPU's vector width, so the file holds the portable layout above and pack_for_device()
+        rearranges it when a model is loaded (after tensor-parallel sharding); it needs N % 16 == 0, and
+        a layer without falls back to the expression below.
+  other dequantize, then F.linear: plain expressions torch.compile can fuse (gpt-fast's approach on GPUs).
+Tensor parallelism (tp.py) slices a quantized linear before it is packed: int8 like a plain weight (rows
+with their scales; columns of the weight, scales whole), int4 through Int4Linear.keep_rows/keep_columns.
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from generate import UserError
+from model import ModelArgs, Transformer
+
+GROUPSIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
+MIN_SCALE = 1e-6  # an all-equal row or group would otherwise get scale 0
+
+
+# ----------------------------------------------------------------------------- int8
+
+def quantize_int8(weight: Tensor):
+    """[N, K] float -> (int8 [N, K], bf16 scales [N]), symmetric per output row."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=MIN_SCALE).to(torch.bfloat16)
+    # |w| / s <= 127 * (1 + 2^-8) after s is rounded to bf16: still rounds to at most 127
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(weight: Tensor, scales: Tensor, dtype=torch.float32) -> Tensor:
+    return weight.to(dtype) * scales.to(dtype)[:, None]
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * s)^T with int8 q [N, K] and one bf16 scale per output row."""
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.bfloat16, device=device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.weight,
+                                                   self.scales.to(torch.bfloat16))
+            return y.view(*x.shape[:-1], -1).to(x.dtype)
+        # per-row scales commute with the matmul: scale the outputs, not the N x K weight
+        return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- int4
+
+def quantize_int4(weight: Tensor, groupsize: int):
+    """[N, K] float -> (uint8 [N, K/2] two 4-bit values a byte, bf16 scales_and_zeros [K/G, N, 2])."""
+    N, K = weight.shape
+    w = weight.float().view(N, K // groupsize, groupsize)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=MIN_SCALE).to(torch.bfloat16).float()
+    zeros = (lo + 8 * scales).to(torch.bfloat16).float()
+    q = (torch.round((w - zeros[..., None]) / scales[..., None]) + 8).clamp(0, 15).to(torch.uint8).view(N, K)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, scales_and_zeros
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """uint8 [N, K/2] -> [N, K] values 0..15 (column 2i from the low 4 bits, 2i+1 from the high 4 bits)."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def dequantize_int4(packed: Tensor, scales_and_zeros: Tensor, groupsize: int, dtype=torch.float32) -> Tensor:
+    q = unpack_int4(packed)
+    N, K = q.shape
+    scales, zeros = scales_and_zeros.to(dtype).transpose(0, 1).unsqueeze(-2).unbind(-1)  # [N, K/G, 1] each
+    return ((q.view(N, K // groupsize, groupsize).to(dtype) - 8) * scales + zeros).view(N, K)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T with W = (q - 8) * s + z, one bf16 scale s and zero z per group of `groupsize` inputs."""
+
+    def __init__(self, in_features: int, out_features: int, groupsize: int, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2,
+                                                             dtype=torch.bfloat16, device=device))
+        self.packed_for_cpu = False  # True once `weight` is in the CPU kernel's own layout
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed_for_cpu:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.weight,
+                                                           self.groupsize, self.scales_and_zeros.to(torch.bfloat16))
+            return y.view(*x.shape[:-1], -1).to(x.dtype)
+        return F.linear(x, dequantize_int4(self.weight, self.scales_and_zeros, self.groupsize, x.dtype))
+
+    def pack_for_cpu(self):
+        """Rearrange the weight into the layout of aten._weight_int4pack_mm_for_cpu (it depends on the CPU's
+        vector width, so it is made here, at load time, never stored). The kernel needs N % 16 == 0."""
+        if not self.packed_for_cpu and self.weight.device.type == "cpu" and self.out_features % 16 == 0:
+            q = unpack_int4(self.weight).to(torch.int32)
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # 1: inner k-tiles, unused on CPU
+            self.packed_for_cpu = True
+
+    def keep_rows(self, rows: Tensor):
+        """Column parallelism: keep these output rows, with their scales and zeros."""
+        assert not self.packed_for_cpu, "shard int4 weights before pack_for_cpu (generate.load_model does)"
+        self.weight = self.weight.index_select(0, rows.to(self.weight.device))
+        self.scales_and_zeros = self.scales_and_zeros.index_select(1, rows.to(self.weight.device))
+        self.out_features = len(rows)
+
+    def keep_columns(self, rank: int, world_size: int):
+        """Row parallelism: keep this rank's slice of the inputs and the groups that cover exactly it."""
+        assert not self.packed_for_cpu, "shard int4 weights before pack_for_cpu (generate.load_model does)"
+        part = self.in_features // world_size
+        if self.in_features % world_size or part % self.groupsize:
+            raise UserError(f"int4 group size {self.groupsize} does not divide the {part} inputs each of {world_size} "
+                            f"ranks gets from a layer of {self.in_features}: quantize with a --groupsize that does, "
+                            f"or use int8")
+        groups = part // self.groupsize
+        self.weight = self.weight.narrow(1, rank * part // 2, part // 2).contiguous()
+        self.scales_and_zeros = self.scales_and_zeros.narrow(0, rank * groups, groups).contiguous()
+        self.in_features = part
+
+
+# ----------------------------------------------------------------------------- schemes
+
+def quantized_layers(model: Transformer, scheme: dict):
+    """(name, nn.Linear, quantized module class and arguments) for every linear the scheme quantizes."""
+    mode = scheme.get("mode")
+    if mode not in ("int8", "int4"):
+        raise UserError(f"unknown quantization mode {mode!r}: quantize.py writes int8 or int4")
+    groupsize = scheme.get("groupsize")
+    if mode == "int4" and groupsize not in GROUPSIZES:
+        raise UserError(f"int4 group size {groupsize!r} is not supported: use one of {', '.join(map(str, GROUPSIZES))}")
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if mode == "int4":
+        inputs = {module.in_features for name, module in layers if name != "output"}
+        bad = sorted(k for k in inputs if k % groupsize)
+        if bad:
+            fits = [g for g in GROUPSIZES if all(k % g == 0 for k in inputs)]
+            fix = f"use --groupsize {' or '.join(map(str, fits))}" if fits else "use --mode int8"
+            raise UserError(f"--groupsize {groupsize} does not divide the layer input size {bad[0]}: {fix}")
+    for name, linear in layers:
+        if mode == "int4" and name != "output":
+            yield name, linear, Int4Linear, (linear.in_features, linear.out_features, groupsize)
+        else:
+            yield name, linear, Int8Linear, (linear.in_features, linear.out_features)
+
+
+def apply_quantization_scheme(model: Transformer, scheme: dict):
+    """Swap the model's nn.Linear layers for the quantized modules of `scheme` (empty, on the same device;
+    load_state_dict fills them). The embedding keeps its weight even when the output was tied to it."""
+    for name, linear, cls, sizes in list(quantized_layers(model, scheme)):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, cls(*sizes, device=linear.weight.device))
+    return model
+
+
+def pack_for_device(model: nn.Module):
+    """After loading (and sharding): int4 weights on the CPU go into the CPU kernel's layout."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.pack_for_cpu()
+
+
+def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict:
+    """A full-precision state dict -> the state dict of the quantized model."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    out = dict(state_dict)
+    for name, linear, cls, _ in list(quantized_layers(model, scheme)):
+        key = f"{name}.weight"
+        if key not in state_dict and name == "output" and args.tie_word_embeddings:
+            key = "tok_embeddings.weight"  # tied: the output gets its own quantized copy
+        weight = state_dict[key]
+        if cls is Int8Linear:
+            out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int8(weight)
+        else:
+            out[f"{name}.weight"], out[f"{name}.scales_and_zeros"] = quantize_int4(weight, scheme["groupsize"])
+    return out
+
+
+def output_path(checkpoint_path: Path, scheme: dict) -> Path:
+    suffix = "int8" if scheme["mode"] == "int8" else f"int4.g{scheme['groupsize']}"
+    return checkpoint_path.with_name(f"{checkpoint_path.stem}_{suffix}.pth")
+
+
+def quantize_checkpoint(checkpoint_path: Path, mode: str, groupsize=None) -> Path:
+    """Write the quantized checkpoint beside `checkpoint_path` (atomically); returns its path."""
+    path = Path(checkpoint_path)
+    if not path.is_file():
+        raise UserError(f"checkpoint not found: {path} (pass the full-precision model.pth)")
+    if mode == "int8" and groupsize is not None:
+        raise UserError("--groupsize is for --mode int4 (int8 has one scale per output row): drop --groupsize")
+    scheme = {"mode": mode} if mode == "int8" else {"mode": mode, "groupsize": groupsize or 128}
+    try:
+        args = ModelArgs.from_checkpoint_dir(path.parent)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    state_dict = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
+    if isinstance(state_dict.get("quantization"), dict):
+        raise UserError(f"{path} is already quantized ({state_dict['quantization']['mode']}): "
+                        f"quantize the full-precision model.pth instead")
+    quantized = quantize_state_dict(state_dict, args, scheme)
+    out = output_path(path, scheme)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save({"quantization": scheme, "model": quantized}, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Write an int8 or int4 weight-only quantized copy of a checkpoint")
+    p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/tiny/target/model.pth"),
+                   help="the full-precision model.pth (config.json beside it)")
+    p.add_argument("--mode", choices=["int8", "int4"], default="int8")
+    p.add_argument("--groupsize", type=int, choices=GROUPSIZES, default=None,
+                   help="int4 only: inputs sharing one scale and zero (default 128; smaller is more accurate)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    out = quantize_checkpoint(args.checkpoint_path, args.mode, args.groupsize)
+    print(f"wrote {out} ({args.checkpoint_path.stat().st_size / 1e6:.1f} MB -> {out.stat().st_size / 1e6:.1f} MB) "
+          f"in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")

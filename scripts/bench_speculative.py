@@ -1,0 +1,217 @@
+"""Speculative, tree and n-gram decoding against our plain decode and transformers (plain and assisted
+generation), in one process run, on the tiny pair from scripts/train_tiny.py.
+
+    python scripts/bench_speculative.py                      # greedy and T=0.7, compiled
+    python scripts/bench_speculative.py --json bench_results/speculative.json --new_tokens 256
+
+Prompts: the opening lines of held-out standard-library files (OUT/heldout_files.txt, never trained on).
+Copy task (for --draft_ngram): a prompt holding a held-out file's text, then its first lines again, so the
+continuation repeats the file, as in code editing or retrieval-grounded answers.
+Per configuration: tokens/s over all prompts (best of --repeats each), speedup over our plain decode,
+acceptance figures, and for draft-model chains Leviathan et al.'s predicted speedup
+(1 - a^(K+1)) / ((1 - a)(Kc + 1)), with a the per-token acceptance solved from the measured tokens per
+target forward and c the measured draft/target cost of one forward (their plain decode times), and the
+implementation efficiency = measured speedup / predicted speedup.
+"""
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import benchlib
+from benchlib import ROOT
+import generate
+import speculate
+from tokenizer import get_tokenizer
+
+
+def load_prompts(pair: Path, tokenizer, count: int, prompt_tokens: int, copy_tokens: int, bos: int):
+    files = [Path(p) for p in (pair / "heldout_files.txt").read_text().split()]
+    files = [f for f in files if f.is_file() and len(f.read_text()) > 4000][:count]
+    if len(files) < count:
+        sys.exit(f"error: fewer than {count} held-out files of > 4000 characters listed in {pair}/heldout_files.txt")
+    code, copy = [], []
+    for f in files:
+        lines = f.read_text().splitlines(keepends=True)
+        text = ""
+        for line in lines:  # whole lines, up to prompt_tokens
+            if len(tokenizer.encode(text + line)) > prompt_tokens:
+                break
+            text += line
+        code.append([bos] + tokenizer.encode(text))
+        body = ""
+        for line in lines:
+            if len(tokenizer.encode(body + line)) > copy_tokens:
+                break
+            body += line
+        head = "".join(body.splitlines(keepends=True)[:2])
+        copy.append([bos] + tokenizer.encode(body + "\n\n" + head))
+    return files, code, copy
+
+
+def leviathan(tokens_per_forward: float, k: int, c: float):
+    """Solve E = (1 - a^(K+1)) / (1 - a) for the acceptance a; predicted speedup E / (Kc + 1)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        expected = (k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+        lo, hi = (a, hi) if expected < tokens_per_forward else (lo, a)
+    return a, tokens_per_forward / (k * c + 1)
+
+
+def run_ours(engine, drafter, prompts, args, sampling):
+    total_tokens, total_seconds, runs = 0, 0.0, []
+    for prompt in prompts:
+        tps, tokens, stats = benchlib.time_ours(engine, prompt, args.new_tokens, sampling, drafter, args.repeats)
+        total_tokens += len(tokens)
+        total_seconds += len(tokens) / tps
+        runs.append((tokens, stats))
+    return total_tokens / total_seconds, runs
+
+
+def merge_stats(runs) -> dict:
+    stats = [s for _, s in runs]
+    if not stats or "accept_counts" not in stats[0]:
+        return {}
+    counts = [sum(c) for c in zip(*(s["accept_counts"] for s in stats))]
+    steps = sum(counts)
+    accepted = sum(i * c for i, c in enumerate(counts))
+    return {"accept_counts": counts, "mean_accepted": accepted / steps, "tokens_per_target_forward": (accepted + steps) / steps,
+            "acceptance_rate": sum(s["acceptance_rate"] for s in stats) / len(stats),
+            "target_forwards": sum(s["target_forwards"] for s in stats),
+            "draft_forwards": sum(s["draft_forwards"] for s in stats),
+            "speculate_k": stats[0]["speculate_k"], "tree_nodes": stats[0]["tree_nodes"]}
+
+
+def drafter_for(draft_model, k, nodes=None, ngram=0, compile_=True):
+    settings = argparse.Namespace(speculate_k=str(k), tree_nodes=nodes, draft_ngram=ngram)
+    drafter = speculate.make_drafter(settings, draft_model, "cpu")
+    if compile_:
+        drafter.compile("cpu")
+    return drafter
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", type=Path, default=ROOT / "checkpoints/tiny", help="train_tiny.py's OUT directory")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt_tokens", type=int, default=96)
+    p.add_argument("--copy_tokens", type=int, default=320, help="file tokens in a copy-task prompt")
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=5, help="draft depth for chain and tree")
+    p.add_argument("--tree_nodes", type=int, default=16)
+    p.add_argument("--ngram", type=int, default=3)
+    p.add_argument("--ngram_k", type=int, default=8)
+    p.add_argument("--ngram_nodes", type=int, default=16)
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--no_transformers", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
+    p.add_argument("--json", type=Path, default=ROOT / "bench_results/speculative.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count())
+    torch._dynamo.config.cache_size_limit = 64
+    compile_ = not args.no_compile
+    target_pth, draft_pth = args.pair / "target/model.pth", args.pair / "draft/model.pth"
+    for path in (target_pth, draft_pth):
+        if not path.is_file():
+            sys.exit(f"error: {path} not found: train the pair with python scripts/train_tiny.py --out_dir {args.pair}")
+
+    target = generate.load_model(target_pth)
+    draft = generate.load_model(draft_pth)
+    tokenizer = get_tokenizer(args.pair / "target")
+    files, code_prompts, copy_prompts = load_prompts(args.pair, tokenizer, args.prompts, args.prompt_tokens,
+                                                     args.copy_tokens, target.args.bos_token_id or 1)
+    print(f"prompts from {', '.join(f.name for f in files)}", flush=True)
+    engine = generate.compile_engine(target, "cpu", False) if compile_ else generate.Engine(target)
+    draft_engine = generate.compile_engine(draft, "cpu", False) if compile_ else generate.Engine(draft)
+
+    int8_draft = None
+    if (ROOT / "quantize.py").is_file():
+        int8_pth = draft_pth.with_name("model_int8.pth")
+        if not int8_pth.is_file():
+            subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(draft_pth),
+                            "--mode", "int8"], check=True)
+        int8_draft = generate.load_model(int8_pth)
+
+    rows = []
+    greedy = generate.Sampling(0.0)
+    plain_tps, plain_runs = run_ours(engine, None, code_prompts, args, greedy)
+    draft_tps, _ = run_ours(draft_engine, None, code_prompts, args, greedy)
+    cost = plain_tps / draft_tps  # c: one draft forward / one target forward, from their plain decodes
+    print(f"plain decode: target {plain_tps:.1f} tok/s, draft {draft_tps:.1f} tok/s (c = {cost:.3f})", flush=True)
+    hf_target = hf_draft = None
+    if not args.no_transformers:
+        hf_target, hf_draft = benchlib.hf_model(args.pair / "target"), benchlib.hf_model(args.pair / "draft")
+
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        sampling = generate.Sampling(temperature)
+        task = "code"
+        if temperature == 0:
+            base_tps, base_runs = plain_tps, plain_runs
+        else:
+            base_tps, base_runs = run_ours(engine, None, code_prompts, args, sampling)
+        rows.append({"task": task, "temperature": temperature, "impl": "ours", "config": "plain",
+                     "tokens_per_sec": base_tps, "speedup": 1.0})
+        configs = [("chain", draft, args.k, None), (f"tree N={args.tree_nodes}", draft, args.k, args.tree_nodes),
+                   ("chain auto", draft, "auto", None)]
+        if int8_draft is not None:
+            configs.append(("chain, int8 draft", int8_draft, args.k, None))
+        for name, model, k, nodes in configs:
+            drafter = drafter_for(model, k, nodes, compile_=compile_)
+            tps, runs = run_ours(engine, drafter, code_prompts, args, sampling)
+            row = {"task": task, "temperature": temperature, "impl": "ours", "config": f"{name} K={k}",
+                   "tokens_per_sec": tps, "speedup": tps / base_tps, **merge_stats(runs)}
+            if temperature == 0:
+                row["same_as_plain"] = all(a == b for (a, _), (b, _) in zip(runs, base_runs))
+            if name == "chain" and model is draft:
+                row["alpha"], row["predicted_speedup"] = leviathan(row["tokens_per_target_forward"], k, cost)
+                row["c"] = cost
+                row["efficiency"] = row["speedup"] / row["predicted_speedup"]
+            rows.append(row)
+            print(f"  T={temperature} {row['config']}: {tps:.1f} tok/s, x{row['speedup']:.2f}, "
+                  f"{row['tokens_per_target_forward']:.2f} tokens/target forward", flush=True)
+        if hf_target is not None:
+            hf_kwargs = {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
+            for name, assistant in (("transformers", None), ("transformers assisted", hf_draft)):
+                tps = 0.0
+                for prompt in code_prompts:
+                    t, _ = benchlib.time_transformers(hf_target, prompt, args.new_tokens, assistant,
+                                                      args.repeats, **hf_kwargs)
+                    tps += 1 / t
+                tps = len(code_prompts) / tps
+                rows.append({"task": task, "temperature": temperature, "impl": "transformers", "config": name,
+                             "tokens_per_sec": tps, "speedup": tps / base_tps})
+                print(f"  T={temperature} {name}: {tps:.1f} tok/s", flush=True)
+
+    # copy task: draft-free n-gram drafting vs plain (and the draft model chain, for reference)
+    copy_plain, copy_runs = run_ours(engine, None, copy_prompts, args, greedy)
+    rows.append({"task": "copy", "temperature": 0.0, "impl": "ours", "config": "plain",
+                 "tokens_per_sec": copy_plain, "speedup": 1.0})
+    for name, model, k, nodes, ngram in (
+            (f"ngram n={args.ngram} N={args.ngram_nodes}", None, args.ngram_k, args.ngram_nodes, args.ngram),
+            (f"ngram chain n={args.ngram}", None, args.ngram_k, None, args.ngram),
+            ("chain", draft, args.k, None, 0)):
+        drafter = drafter_for(model, k, nodes, ngram, compile_=compile_)
+        tps, runs = run_ours(engine, drafter, copy_prompts, args, greedy)
+        rows.append({"task": "copy", "temperature": 0.0, "impl": "ours", "config": f"{name} K={k}",
+                     "tokens_per_sec": tps, "speedup": tps / copy_plain, **merge_stats(runs),
+                     "same_as_plain": all(a == b for (a, _), (b, _) in zip(runs, copy_runs))})
+        print(f"  copy {name} K={k}: {tps:.1f} tok/s, x{tps / copy_plain:.2f}", flush=True)
+
+    columns = ["task", "temperature", "impl", "config", "tokens_per_sec", "speedup", "tokens_per_target_forward",
+               "mean_accepted", "acceptance_rate", "alpha", "c", "predicted_speedup", "efficiency", "same_as_plain"]
+    print()
+    benchlib.print_table(rows, columns)
+    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "c": cost,
+                                    "plain_target_tps": plain_tps, "plain_draft_tps": draft_tps,
+                                    "prompt_files": [str(f) for f in files],
+                                    "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

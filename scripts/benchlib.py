@@ -1,0 +1,148 @@
+"""What the benchmark scripts share: the machine's measured bandwidth, timing our generate() and
+transformers' generate() on the same weights, and writing the table and the JSON."""
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import generate  # noqa: E402
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def best_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def measure_bandwidth(device: str = "cpu", gib: float = 1.0) -> dict:
+    """Read bandwidth: sum of a 1 GiB fp32 tensor (every byte read once, nothing written), best of 5.
+    Also what an fp32 mat-vec of the same size reaches: the kernel decode actually runs."""
+    n = int(gib * 2**30) // 4
+    x = torch.randn(n, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def read():
+        x.sum()
+        sync()
+
+    read_gbs = x.numel() * 4 / best_seconds(read, 5) / 1e9
+    w = x.view(-1, 8192)
+    v = torch.randn(8192, device=device)
+
+    def matvec():
+        torch.mv(w, v)
+        sync()
+
+    matvec_gbs = w.numel() * 4 / best_seconds(matvec, 5) / 1e9
+    return {"read_gbs": read_gbs, "fp32_matvec_gbs": matvec_gbs}
+
+
+def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, drafter=None, repeats: int = 3, device="cpu"):
+    """Best-of-`repeats` wall time of generate() (prefill included) after one warm-up run (which compiles).
+    Returns (tokens/s, tokens of the last run, stats of the last run)."""
+    prompt = torch.tensor(prompt_ids, device=device)
+    out = {}
+
+    def run():
+        if drafter is not None:
+            drafter.reset_stats()
+        torch.manual_seed(0)
+        out["tokens"], out["stats"] = generate.generate(engine, prompt, new_tokens, sampling, eos_ids=[],
+                                                        stop_at_eos=False, drafter=drafter)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    seconds = best_seconds(run, repeats)
+    return len(out["tokens"][0]) / seconds, out["tokens"][0], out["stats"]
+
+
+def hf_model(checkpoint_dir: Path, dtype=torch.float32, device="cpu"):
+    """transformers' LlamaForCausalLM with our checkpoint's weights (exported through the converter)."""
+    from transformers import LlamaForCausalLM
+    from convert_hf_checkpoint import export_hf
+    with tempfile.TemporaryDirectory() as tmp:
+        export_hf(checkpoint_dir, tmp)
+        model = LlamaForCausalLM.from_pretrained(tmp, dtype=dtype)
+    return model.to(device).eval()
+
+
+def time_transformers(model, prompt_ids: list, new_tokens: int, assistant=None, repeats: int = 3,
+                      device="cpu", **generate_kwargs):
+    """Best-of-`repeats` wall time of transformers' generate() (prefill included), exactly new_tokens; greedy
+    unless generate_kwargs say otherwise. Returns (tokens/s, new token ids)."""
+    ids = torch.tensor([prompt_ids], device=device)
+    out = {}
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    kwargs.update(generate_kwargs)
+    if assistant is not None:
+        kwargs["assistant_model"] = assistant
+
+    def run():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out["ids"] = model.generate(ids, **kwargs)[0, len(prompt_ids):].tolist()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    seconds = best_seconds(run, repeats)
+    return len(out["ids"]) / seconds, out["ids"]
+
+
+def print_table(rows: list, columns: list):
+    cells = [[c for c in columns]] + [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for j, row in enumerate(cells):
+        print("  ".join(cell.rjust(w) if j and i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def write_json(path: Path, data: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}")

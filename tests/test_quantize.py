@@ -1,0 +1,352 @@
+"""quantize.py: error bounds, logits and held-out perplexity close to full precision, generate.py loading
+quantized targets and drafts (eager, compiled, speculative), clear errors, tensor-parallel slicing."""
+import copy
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import generate
+import quantize
+import tp
+from conftest import ROOT, write_checkpoint
+
+
+def sample_weight(n=48, k=256):
+    """A weight with rows and groups of very different ranges, an outlier and an all-zero row."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 0, n)[:, None]
+    w[5, 17] = 40.0
+    w[7] = 0.0
+    return w
+
+
+def dequantized(module) -> torch.Tensor:
+    if isinstance(module, quantize.Int8Linear):
+        return quantize.dequantize_int8(module.weight, module.scales)
+    return quantize.dequantize_int4(module.weight, module.scales_and_zeros, module.groupsize)
+
+
+def quantized_linear(w, mode, groupsize=32, pack=True):
+    n, k = w.shape
+    if mode == "int8":
+        module = quantize.Int8Linear(k, n)
+        module.weight, module.scales = quantize.quantize_int8(w)
+    else:
+        module = quantize.Int4Linear(k, n, groupsize)
+        module.weight, module.scales_and_zeros = quantize.quantize_int4(w, groupsize)
+        if pack:
+            module.pack_for_cpu()
+    return module
+
+
+# ----------------------------------------------------------------------------- quantize -> dequantize
+
+def test_int8_error_at_most_half_a_step():
+    w = sample_weight()
+    q, scales = quantize.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape and scales.shape == (w.shape[0],)
+    assert int(q.abs().max()) <= 127
+    error = (w - quantize.dequantize_int8(q, scales)).abs()
+    step = scales.float()[:, None]
+    assert (error <= step / 2 * (1 + 1e-6)).all()
+    # the step is the row's largest |w| / 127, not something coarser that would also pass the bound
+    torch.testing.assert_close(step[:, 0], (w.abs().amax(1) / 127).clamp(min=quantize.MIN_SCALE), rtol=2 ** -8, atol=0)
+    assert torch.equal(quantize.dequantize_int8(q, scales)[7], torch.zeros(w.shape[1]))  # all-zero row stays zero
+
+
+@pytest.mark.parametrize("groupsize", quantize.GROUPSIZES)
+def test_int4_error_at_most_half_a_group_step(groupsize):
+    w = sample_weight()
+    packed, scales_and_zeros = quantize.quantize_int4(w, groupsize)
+    n, k = w.shape
+    assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
+    assert scales_and_zeros.shape == (k // groupsize, n, 2)
+    error = (w - quantize.dequantize_int4(packed, scales_and_zeros, groupsize)).abs()
+    step = scales_and_zeros[..., 0].float().t().repeat_interleave(groupsize, dim=1)  # [n, k]
+    assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all()
+    groups = w.view(n, k // groupsize, groupsize)
+    group_range = (groups.amax(-1) - groups.amin(-1)).t()  # 16 levels span each group's range
+    torch.testing.assert_close(scales_and_zeros[..., 0].float(), (group_range / 15).clamp(min=quantize.MIN_SCALE),
+                               rtol=2 ** -8, atol=0)
+
+
+def test_int4_packing_order():
+    """Two values a byte, column 2i in the low 4 bits: the documented file layout."""
+    q = torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    assert packed.tolist() == [[0x21, 0x43]]
+    assert torch.equal(quantize.unpack_int4(packed), q)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4-kernel", "int4-dequantize"])
+def test_quantized_linear_computes_x_times_dequantized_weight(mode):
+    w = sample_weight(n=64)
+    module = quantized_linear(w, mode[:4], pack=mode != "int4-dequantize")
+    if mode.startswith("int4"):
+        assert module.packed_for_cpu == (mode == "int4-kernel")
+    reference_weight = dequantized(quantized_linear(w, mode[:4], pack=False))
+    generator = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, w.shape[1], generator=generator).to(dtype)
+        y = module(x)
+        assert y.dtype == dtype and y.shape == (3, 5, w.shape[0])
+        want = x.float() @ reference_weight.t()
+        # the CPU kernels run on bf16 activations: relative error ~2^-8 per row
+        assert ((y.float() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-2
+        if mode == "int4-dequantize":
+            continue  # fp32 F.linear: the fallback off the CPU kernels, not held to bit equality
+        # each row's result does not depend on the other rows (batch, prefill or verification width),
+        # so a speculative verification scores a token exactly as a one-token decode does
+        assert torch.equal(torch.cat([module(x[i:i + 1, j:j + 1]) for i in range(3) for j in range(5)]).view_as(y), y)
+
+
+def test_off_cpu_path_keeps_the_activation_dtype():
+    """Off the CPU the modules dequantize in the activation's dtype (no GPU here: the meta device checks
+    shapes and dtypes of that path, e.g. bf16 scales meeting fp16 or fp32 activations)."""
+    w = sample_weight(n=64)
+    for mode in ("int8", "int4"):
+        module = quantized_linear(w, mode, pack=False).to("meta")
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            y = module(torch.empty(2, 3, w.shape[1], dtype=dtype, device="meta"))
+            assert y.shape == (2, 3, 64) and y.dtype == dtype
+
+
+# ----------------------------------------------------------------------------- whole models
+
+def quantized_file(checkpoint, mode, groupsize=None):
+    path = quantize.output_path(checkpoint, {"mode": mode, "groupsize": groupsize})
+    if not path.is_file():
+        assert quantize.quantize_checkpoint(checkpoint, mode, groupsize) == path
+    return path
+
+
+def logits(model, x):
+    model.setup_caches(x.shape[0], x.shape[1])
+    with torch.no_grad():
+        return model(x, torch.arange(x.shape[1]).repeat(x.shape[0], 1)).float()
+
+
+def private_copy(directory, tmp_path_factory):
+    """The quantized files go beside the checkpoint: write them into a copy, not the shared fixtures."""
+    destination = tmp_path_factory.mktemp(directory.name)
+    shutil.copytree(directory, destination, dirs_exist_ok=True)
+    return destination
+
+
+@pytest.fixture(scope="module")
+def target(random_target, tmp_path_factory):
+    return private_copy(random_target.parent, tmp_path_factory) / "model.pth"
+
+
+@pytest.fixture(scope="module")
+def draft(random_draft, tmp_path_factory):
+    return private_copy(random_draft.parent, tmp_path_factory) / "model.pth"
+
+
+@pytest.fixture(scope="module")
+def pair(trained_pair, tmp_path_factory):
+    return private_copy(trained_pair, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tied_target(tmp_path_factory, tokenizer_model):
+    """Tied embeddings, stored without output.weight (the loader then reuses tok_embeddings.weight)."""
+    path = write_checkpoint(tmp_path_factory.mktemp("tied"), tokenizer_model, seed=3, dim=64, n_layer=2, n_head=4,
+                            n_local_heads=2, vocab_size=512, block_size=256, tie_word_embeddings=True)
+    state_dict = torch.load(path, weights_only=True)
+    del state_dict["output.weight"]
+    torch.save(state_dict, path)
+    return path
+
+
+@pytest.mark.parametrize("mode, groupsize, bound", [("int8", None, 0.015), ("int4", 32, 0.06)])
+@pytest.mark.parametrize("which", ["untied", "tied", "bf16"])
+def test_logits_close_to_full_precision(mode, groupsize, bound, which, target, tied_target):
+    """Random tiny model, 2 x 24 tokens: ||logits - fp32 logits|| / ||fp32 logits|| under `bound`."""
+    checkpoint = tied_target if which == "tied" else target
+    precision = torch.bfloat16 if which == "bf16" else torch.float32
+    reference = generate.load_model(checkpoint)
+    model = generate.load_model(quantized_file(checkpoint, mode, groupsize), precision=precision)
+    assert model.quantization == {"mode": mode, **({"groupsize": groupsize} if groupsize else {})}
+    w1 = model.layers[0].feed_forward.w1
+    assert type(w1) is (quantize.Int8Linear if mode == "int8" else quantize.Int4Linear)
+    if mode == "int4":
+        assert w1.packed_for_cpu  # load_model put it in the CPU kernel's layout (the fast path)
+    assert type(model.output) is quantize.Int8Linear  # the output layer is int8 in both modes
+    assert model.model_bytes() < 0.5 * reference.model_bytes()
+    if which == "tied":  # the embedding keeps its full-precision weights; the output has its own int8 copy
+        assert torch.equal(model.tok_embeddings.weight, reference.tok_embeddings.weight)
+        assert model.tok_embeddings.weight.data_ptr() != model.output.weight.data_ptr()
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    want, got = logits(reference, x), logits(model, x)
+    error = ((got - want).norm() / want.norm()).item()
+    assert error < bound, error
+
+
+def heldout_ids(pair, n_tokens=2048):
+    import sentencepiece
+    tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(pair / "target" / "tokenizer.model"))
+    ids = []
+    for path in (pair / "heldout_files.txt").read_text().split():
+        ids += [1, *tokenizer.encode(open(path, encoding="utf-8").read()), 2]
+    assert len(ids) > n_tokens
+    return torch.tensor(ids[:n_tokens + 1])
+
+
+def perplexity(model, ids, window=128) -> float:
+    n = (len(ids) - 1) // window
+    x, y = ids[:n * window].view(n, window), ids[1:n * window + 1].view(n, window)
+    return math.exp(F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten()).item())
+
+
+def test_heldout_perplexity_barely_moves(pair):
+    """The trained tiny target on 2048 held-out tokens: int8 within 2%, int4 (groupsize 32) within 10%."""
+    ids = heldout_ids(pair)
+    checkpoint = pair / "target" / "model.pth"
+    base = perplexity(generate.load_model(checkpoint), ids)
+    assert base < 0.5 * 512  # the model learned something a broken quantizer could destroy
+    for mode, groupsize, rise in (("int8", None, 0.02), ("int4", 32, 0.10)):
+        ppl = perplexity(generate.load_model(quantized_file(checkpoint, mode, groupsize)), ids)
+        assert ppl < base * (1 + rise), (mode, ppl, base)
+
+
+# ----------------------------------------------------------------------------- generate.py
+
+def run(checkpoint, *extra, n=16):
+    return generate.main(["--checkpoint_path", str(checkpoint), "--prompt", "def main(", "--max_new_tokens", str(n),
+                          "--num_samples", "1", "--temperature", "0", "--ignore_eos", *map(str, extra)])
+
+
+def greedy_without_cache(model, prompt_ids, n):
+    """Greedy decoding by full forwards over the growing sequence: the KV cache plays no part."""
+    ids = list(prompt_ids)
+    model.setup_caches(1, len(ids) + n)
+    for _ in range(n):
+        ids.append(int(logits(model, torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+def test_generate_loads_quantized_checkpoint_by_path(mode, groupsize, target, tmp_path, capsys):
+    path = quantized_file(target, mode, groupsize)
+    stats_path = tmp_path / "stats.json"
+    stats = run(path, "--stats_json", stats_path)
+    assert json.loads(stats_path.read_text())["quantization"] == stats["quantization"] == mode
+    assert f"(quantization: {mode})" in capsys.readouterr().out
+    model = generate.load_model(path)
+    assert stats["samples"][0]["tokens"] == greedy_without_cache(model, stats["prompt_tokens"], 16)
+    batched = run(path, "--batch_size", 3, n=8)["samples"][0]["batch_tokens"]
+    assert batched == [stats["samples"][0]["tokens"][:8]] * 3
+
+
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+def test_compiled_quantized_equals_eager(mode, groupsize, target):
+    path = quantized_file(target, mode, groupsize)
+    eager = run(path, n=8)
+    compiled = run(path, "--compile", n=8)
+    assert compiled["compile"] is True and compiled["quantization"] == mode
+    assert compiled["samples"][0]["tokens"] == eager["samples"][0]["tokens"]
+
+
+def test_greedy_speculative_with_int8_draft_or_target_equals_plain_greedy(pair):
+    target, draft = pair / "target" / "model.pth", pair / "draft" / "model.pth"
+    target_int8, draft_int8 = quantized_file(target, "int8"), quantized_file(draft, "int8")
+    speculative = ["--speculate_k", 4, "--draft_checkpoint_path"]
+    plain = run(target, n=32)["samples"][0]["tokens"]
+    fp_draft = run(target, *speculative, draft, n=32)
+    int8_draft = run(target, *speculative, draft_int8, n=32)
+    assert int8_draft["speculative"] == "draft" and int8_draft["samples"][0]["tokens"] == plain
+    # and the int8 draft still drafts what the target would say about as often as the full-precision one
+    assert int8_draft["mean_accepted"] >= 0.8 * fp_draft["mean_accepted"] > 0
+    plain_int8 = run(target_int8, n=32)["samples"][0]["tokens"]
+    for draft_path in (draft, draft_int8):
+        assert run(target_int8, *speculative, draft_path, n=32)["samples"][0]["tokens"] == plain_int8
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_clear_errors(target, draft, tmp_path):
+    with pytest.raises(generate.UserError, match="checkpoint not found"):
+        quantize.quantize_checkpoint(tmp_path / "missing" / "model.pth", "int8")
+    # the draft's layers take 32 inputs: a group of 64 cannot fit, and the message names the group size that does
+    with pytest.raises(generate.UserError, match=r"--groupsize 64 does not divide .* 32: use --groupsize 32"):
+        quantize.quantize_checkpoint(draft, "int4", 64)
+    with pytest.raises(generate.UserError, match="--groupsize is for --mode int4"):
+        quantize.quantize_checkpoint(target, "int8", 32)
+    int8 = quantized_file(target, "int8")
+    with pytest.raises(generate.UserError, match=r"already quantized \(int8\)"):
+        quantize.quantize_checkpoint(int8, "int4", 32)
+    # a file whose scheme this code does not know is refused on load, not misread
+    odd = tmp_path / "odd" / "model.pth"
+    odd.parent.mkdir()
+    (odd.parent / "config.json").write_bytes((target.parent / "config.json").read_bytes())
+    torch.save({"quantization": {"mode": "int3"}, "model": {}}, odd)
+    with pytest.raises(generate.UserError, match="unknown quantization mode 'int3'"):
+        generate.load_model(odd)
+    assert not list(target.parent.glob(".*.tmp"))  # written atomically: no temporary file left
+
+
+def test_cli_writes_the_file_and_errors_are_one_line(draft):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ok = subprocess.run([sys.executable, "quantize.py", "--checkpoint_path", str(draft), "--mode", "int4",
+                         "--groupsize", "32"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stderr
+    written = draft.with_name("model_int4.g32.pth")
+    assert str(written) in ok.stdout
+    assert torch.load(written, weights_only=True)["quantization"] == {"mode": "int4", "groupsize": 32}
+    bad = subprocess.run([sys.executable, "quantize.py", "--checkpoint_path", str(written), "--mode", "int8"],
+                         cwd=ROOT, capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [bad.stderr.strip()]
+    assert bad.stderr.startswith("error: ") and "already quantized (int4)" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_sharded_linears_add_up_to_the_unsharded_one(mode):
+    """What tp.py does to each rank's copy, checked without torch.distributed: row-parallel partial outputs
+    sum to the full output, column-parallel outputs side by side are the full output. Shards are cut from
+    the loaded (portable) weights and then packed for the CPU kernel, as generate.load_model does."""
+    w = sample_weight(n=128, k=256)
+    unpacked = quantized_linear(w, mode, pack=False)
+    full = quantize_pack(copy.deepcopy(unpacked))
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(0))
+    want = full(x)
+
+    partial = []
+    for rank in range(2):
+        shard = copy.deepcopy(unpacked)
+        tp.keep_columns(shard, rank, 2)
+        assert shard.in_features == 128
+        partial.append(quantize_pack(shard)(x[..., rank * 128:(rank + 1) * 128]))
+    # each half runs through the bf16 kernel on its own: equal up to bf16 rounding of the two halves
+    torch.testing.assert_close(partial[0] + partial[1], want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+    # column-parallel with a [q; k; v]-style gather of row ranges, as tp.apply_tp does for wqkv
+    rows = [torch.cat([torch.arange(0, 32), torch.arange(64, 80), torch.arange(96, 112)]),
+            torch.cat([torch.arange(32, 64), torch.arange(80, 96), torch.arange(112, 128)])]
+    outs = []
+    for rank in range(2):
+        shard = copy.deepcopy(unpacked)
+        tp.keep_rows(shard, rows[rank])
+        assert shard.out_features == 64
+        outs.append(quantize_pack(shard)(x))
+    order = torch.cat(rows)
+    torch.testing.assert_close(torch.cat(outs, dim=-1), want[..., order], rtol=0, atol=0)
+
+
+def quantize_pack(module):
+    quantize.pack_for_device(module)
+    return module
+
+
+def test_int4_shard_must_hold_whole_groups():
+    module = quantized_linear(sample_weight(n=32, k=64), "int4", groupsize=64, pack=False)
+    with pytest.raises(generate.UserError, match="group size 64 does not divide the 32 inputs"):
+        tp.keep_columns(module, 0, 2)

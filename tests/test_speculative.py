@@ -1,0 +1,377 @@
+"""speculate.py through generate.py: speculative decoding with a draft model.
+
+Greedy output is token-identical to plain greedy decoding for every draft and depth, stops exactly where
+plain decoding stops, the acceptance statistics add up, user errors are refused with a message, and at
+temperature > 0 the tokens are distributed exactly as the target's (a chi-square test against the
+target's distribution computed by enumeration, which deliberately broken rejection rules fail).
+"""
+import functools
+import json
+import math
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import write_checkpoint  # first: it puts the repository on sys.path
+import generate
+import speculate
+from generate import Sampling, logits_to_probs
+from model import ModelArgs, Transformer
+
+PROMPTS = ("def main(", "Hello, my name is")
+
+
+def run(target, *extra, prompt=PROMPTS[0], n=29):
+    return generate.main(["--checkpoint_path", str(target), "--prompt", prompt, "--max_new_tokens", str(n),
+                          "--num_samples", "1", "--temperature", "0", *map(str, extra)])
+
+
+def speculative(target, draft, k, *extra, prompt=PROMPTS[0], n=29):
+    return run(target, "--draft_checkpoint_path", draft, "--speculate_k", k, *extra, prompt=prompt, n=n)
+
+
+def tokens(stats: dict) -> list:
+    return stats["samples"][0]["tokens"]
+
+
+@functools.lru_cache(maxsize=None)
+def plain_greedy(target, prompt=PROMPTS[0], n=40) -> list:
+    """The target's own greedy continuation (no draft), computed once per target and prompt."""
+    return tokens(run(target, "--ignore_eos", prompt=prompt, n=n))
+
+
+def copy_checkpoint(source, directory, noise=0.0, sharpen=1.0, seed=0, **config):
+    """A checkpoint directory with `source`'s weights plus Gaussian noise (`noise` times each tensor's std),
+    its output layer scaled by `sharpen` (more confident, same argmax), and config.json entries replaced."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source.parent / "tokenizer.model", directory)
+    hf_config = json.loads((source.parent / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(hf_config, **config)))
+    generator = torch.Generator().manual_seed(seed)
+    state = {name: w + noise * w.std() * torch.randn(w.shape, generator=generator)
+             for name, w in torch.load(source, weights_only=True).items()}
+    state["output.weight"] = state["output.weight"] * sharpen
+    torch.save(state, directory / "model.pth")
+    return directory / "model.pth"
+
+
+@pytest.fixture(scope="module")
+def near_draft(random_target, tmp_path_factory):
+    """A draft close to the target (its weights plus noise): it agrees on some tokens and not on others."""
+    return copy_checkpoint(random_target, tmp_path_factory.mktemp("near_draft"), noise=0.1, sharpen=8.0)
+
+
+def draft_path(name, request):
+    if name == "self":
+        return request.getfixturevalue("random_target")
+    return request.getfixturevalue({"random": "random_draft", "near": "near_draft"}[name])
+
+
+# ----------------------------------------------------------------------------- greedy: token identity
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_identical_with_trained_draft(trained_pair, k):
+    target, draft = trained_pair / "target/model.pth", trained_pair / "draft/model.pth"
+    prompt = "import os\nimport sys\n\n\ndef main("
+    got = speculative(target, draft, k, "--ignore_eos", prompt=prompt)
+    assert tokens(got) == plain_greedy(target, prompt)[:29]
+    assert got["speculative"] == "draft" and got["speculate_k"] == k
+
+
+@pytest.mark.parametrize("draft,k", [("random", 1), ("random", 4), ("random", 8), ("self", 2), ("self", 7),
+                                     *[("near", k) for k in range(1, 9)]])
+def test_greedy_identical_to_plain_decoding(random_target, request, draft, k):
+    """A random draft (nearly every token rejected), the target itself (every token accepted) and a draft
+    near the target (some of each): the output is the target's greedy output, token for token."""
+    prompt = PROMPTS[k % 2]
+    got = speculative(random_target, draft_path(draft, request), k, "--ignore_eos", prompt=prompt)
+    assert tokens(got) == plain_greedy(random_target, prompt)[:29]
+    counts = got["accept_counts"]
+    if draft == "self":
+        assert sum(counts[:k]) == 0  # the target agrees with itself on every drafted token
+    if draft == "near" and k >= 3:
+        assert sum(counts[:k]) > 0 and sum(counts[1:]) > 0  # the draft is both accepted and rejected
+
+
+@pytest.mark.parametrize("draft,k", [("self", 8), ("near", 3)])
+def test_exactly_max_new_tokens(random_target, request, draft, k):
+    """Never more than --max_new_tokens, also when the cap falls inside an accepted run of draft tokens."""
+    want = plain_greedy(random_target)
+    for n in (1, 2, 3, 9, 10, 11, 20):
+        assert tokens(speculative(random_target, draft_path(draft, request), k, "--ignore_eos", n=n)) == want[:n]
+
+
+def test_stops_right_after_eos(random_target, near_draft, tmp_path):
+    """With the EOS id set to the token plain decoding emits at index j, generation stops right after
+    index j (inside an accepted run for the self-draft with K=8), exactly as plain decoding does;
+    --ignore_eos goes on to --max_new_tokens."""
+    want = plain_greedy(random_target)
+    firsts = [j for j in range(len(want)) if want[j] not in want[:j]]
+    for j in (firsts[0], firsts[3], firsts[9]):
+        target = copy_checkpoint(random_target, tmp_path / f"eos{j}", eos_token_id=want[j])
+        assert tokens(run(target, n=30)) == want[:j + 1]
+        for draft, k in ((target, 8), (near_draft, 3)):
+            assert tokens(speculative(target, draft, k, n=30)) == want[:j + 1]
+            assert tokens(speculative(target, draft, k, "--ignore_eos", n=30)) == want[:30]
+
+
+def test_speculate_k_auto(random_target, near_draft, trained_pair):
+    trained = (trained_pair / "target/model.pth", trained_pair / "draft/model.pth")
+    runs = {}
+    for name, (target, draft) in {"near": (random_target, near_draft), "self": (random_target, random_target),
+                                  "trained": trained}.items():
+        runs[name] = speculative(target, draft, "auto", "--ignore_eos", n=30)
+        assert tokens(runs[name]) == plain_greedy(target)[:30] and runs[name]["speculate_k"] == 8
+    # the depth grows while every drafted token is accepted
+    assert max(i for i, c in enumerate(runs["self"]["accept_counts"]) if c) > 2
+
+
+def test_compiled_greedy_identical(random_target, near_draft):
+    torch._dynamo.reset()
+    got = speculative(random_target, near_draft, 3, "--ignore_eos", "--compile", n=12)
+    assert got["compile"] is True and got["compile_seconds"] > 0
+    assert tokens(got) == plain_greedy(random_target)[:12]
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def test_stats_add_up(random_target, near_draft, tmp_path):
+    k, n = 4, 30
+    path = tmp_path / "stats.json"
+    returned = speculative(random_target, near_draft, k, "--ignore_eos", "--stats_json", path, n=n)
+    stats = json.loads(path.read_text())
+    assert stats == json.loads(json.dumps(returned))
+    counts = stats["accept_counts"]  # counts[i]: verify steps that accepted i draft tokens
+    steps, accepted = sum(counts), sum(i * c for i, c in enumerate(counts))
+    assert len(counts) == k + 1 and stats["speculate_k"] == k and stats["tree_nodes"] == k
+    assert stats["speculative"] == "draft"
+    assert steps == stats["target_forwards"] - 1  # one target forward per step, plus the prefill
+    assert stats["draft_forwards"] == 1 + k * steps  # the draft's prefill, then K forwards per step
+    assert math.isclose(stats["mean_accepted"], accepted / steps)
+    assert math.isclose(stats["acceptance_rate"], accepted / (k * steps))
+    assert math.isclose(stats["tokens_per_target_forward"], (accepted + steps) / steps)
+    # the prefill's token, then each step's accepted tokens and one from the target; the last step's
+    # surplus beyond --max_new_tokens is dropped (at most K tokens)
+    assert len(tokens(stats)) == n and 0 <= 1 + accepted + steps - n <= k
+    assert 0 < accepted < k * steps
+    assert stats["tokens_per_sec"] > 0 and stats["samples"][0]["tokens_per_sec"] > 0
+
+    itself = speculative(random_target, random_target, k, "--ignore_eos", n=n)
+    steps = math.ceil((n - 1) / (k + 1))  # every step accepts all K and adds the target's token
+    assert itself["accept_counts"] == [0] * k + [steps] and itself["target_forwards"] == steps + 1
+    assert itself["mean_accepted"] == k and itself["acceptance_rate"] == 1.0
+
+
+# ----------------------------------------------------------------------------- errors
+
+def error_of(*argv):
+    with pytest.raises((generate.UserError, FileNotFoundError, ValueError)) as info:
+        generate.main([*map(str, argv)])
+    return str(info.value)
+
+
+def test_clear_errors(random_target, random_draft, tmp_path, tokenizer_model):
+    spec = ["--checkpoint_path", random_target, "--draft_checkpoint_path", random_draft]
+    small = write_checkpoint(tmp_path / "small_vocab", tokenizer_model, seed=2, dim=32, n_layer=1, n_head=2,
+                             vocab_size=256, block_size=256)
+    message = error_of("--checkpoint_path", random_target, "--draft_checkpoint_path", small)
+    assert "vocabulary" in message and "256" in message and "512" in message
+    for k in ("0", "-2", "abc", "2.5", ""):
+        assert "--speculate_k" in error_of(*spec, "--speculate_k", k)
+    assert "--temperature" in error_of(*spec, "--temperature", "-0.5")
+    assert "--tree_nodes" in error_of(*spec, "--speculate_k", "4", "--tree_nodes", "3")
+    assert "--tree_nodes needs a draft" in error_of("--checkpoint_path", random_target, "--tree_nodes", "8")
+    assert "--draft_ngram" in error_of(*spec, "--draft_ngram", "3")
+    assert "N >= 2" in error_of("--checkpoint_path", random_target, "--draft_ngram", "1")
+    assert "auto" in error_of(*spec, "--speculate_k", "auto", "--tree_nodes", "12")
+    assert "--batch_size" in error_of(*spec, "--batch_size", "2")
+
+
+# ----------------------------------------------------------------------------- sampling is lossless
+#
+# Speculative sampling must leave the output distributed exactly as the target's (Leviathan et al. 2023,
+# Chen et al. 2023). The test: a fixed prefix, the real speculative loop (TreeSpeculator.generate with a
+# DraftModelSpeculator, depth 2) run 20,000 times for the next two tokens, and Pearson's chi-square test of
+# the first token, the second token and the pair against the target's distribution computed by
+# enumeration. The same test run with a deliberately wrong rejection rule must reject it.
+
+VOCAB = 32
+PREFIX, FIRST = [1, 5, 9, 3], 7  # the prompt, and the token the target emitted at prefill
+DRAWS = 20_000
+REJECT_BELOW = 1e-6  # a correct sampler fails one check with probability 1e-6; the broken ones score < 1e-15
+
+
+class TableModel:
+    """Stands in for a Transformer inside the speculative loop, so that 20,000 draws take seconds, not
+    minutes: its forward returns, for each query, the logits the real tiny Transformer `model` gives for
+    the context that query sees, read from tables filled by one batched forward over every continuation
+    of PREFIX + [FIRST] by up to `depth` tokens.
+
+    Its "KV cache" holds the (token, position) written at each slot. The mask the loop passes (or the
+    causal default) decides which slots a query sees, and speculate.move_cache_slots compacts them as it
+    does real keys and values; a query that sees positions other than 0, 1, 2, ... is an error."""
+
+    def __init__(self, model: Transformer, depth: int):
+        n = len(PREFIX)
+        tails = torch.cartesian_prod(*[torch.arange(VOCAB)] * depth).view(-1, depth)
+        sequences = torch.cat([torch.tensor(PREFIX + [FIRST]).expand(len(tails), -1), tails], 1)
+        model.setup_caches(len(sequences), sequences.shape[1])
+        with torch.no_grad():
+            logits = model(sequences, torch.arange(sequences.shape[1]).expand_as(sequences))
+        logits = logits.view(*[VOCAB] * depth, n + 1 + depth, VOCAB)
+        self.prompt_logits = logits[(0,) * depth][:n].clone()  # [n, vocab]: after each prompt prefix
+        # levels[k][tail]: logits after PREFIX + [FIRST] + tail, for tails of k tokens
+        self.levels = [logits[(slice(None),) * k + (0,) * (depth - k) + (n + k,)].clone() for k in range(depth + 1)]
+        self.rows = {}
+        self.tok_embeddings = SimpleNamespace(weight=torch.empty(0))  # the speculator reads its .device
+        self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        if max_seq_length <= self.max_seq_length:
+            return
+        self.max_seq_length = max_seq_length
+        self.cache = SimpleNamespace(k_cache=torch.full((1, 1, max_seq_length, 2), -1),
+                                     v_cache=torch.zeros(1, 1, max_seq_length))
+        self.layers = [SimpleNamespace(attention=SimpleNamespace(kv_cache=self.cache))]
+
+    def logits(self, context: tuple):
+        row = self.rows.get(context)
+        if row is None:
+            n = len(PREFIX)
+            if len(context) <= n:
+                assert list(context) == PREFIX[:len(context)], context
+                row = self.prompt_logits[len(context) - 1]
+            else:
+                assert list(context[:n + 1]) == PREFIX + [FIRST] and len(context) - n - 1 < len(self.levels), context
+                row = self.levels[len(context) - n - 1][context[n + 1:]]
+            self.rows[context] = row
+        return row
+
+    def __call__(self, idx, input_pos, slots=None, mask=None):
+        slots = input_pos if slots is None else slots
+        self.cache.k_cache[0, 0, slots[0]] = torch.stack([idx[0], input_pos[0]], -1)
+        written = self.cache.k_cache[0, 0].tolist()
+        if mask is None:  # the model's default: causal over slots
+            seen = [range(slot + 1) for slot in slots[0].tolist()]
+        else:
+            seen = [[j for j, visible in enumerate(row) if visible] for row in mask[0, 0].tolist()]
+        rows = []
+        for visible in seen:
+            context, positions = zip(*(written[j] for j in visible))
+            assert positions == tuple(range(len(positions))), f"a query sees the positions {positions}"
+            rows.append(self.logits(context))
+        return torch.stack(rows).unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tables():
+    """(target, draft) TableModels of two tiny-vocabulary Transformers. The draft is deliberately different:
+    the target's weights with heavy noise, and less confident; it proposes the target's token about half the time."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=16, n_layer=2, n_head=2, n_local_heads=1, intermediate_size=32, vocab_size=VOCAB,
+                     block_size=64)
+    target, draft = Transformer(args).requires_grad_(False), Transformer(args).requires_grad_(False)
+    draft.load_state_dict({name: w + 0.5 * w.std() * torch.randn_like(w) for name, w in target.state_dict().items()})
+    target.output.weight.mul_(3.0)
+    draft.output.weight.mul_(2.0)
+    return TableModel(target, depth=3), TableModel(draft, depth=2)
+
+
+def speculative_draws(tree_nodes: int, sampling: Sampling, seed: int = 0):
+    """The two tokens after PREFIX + [FIRST] from the real speculative loop (depth 2), DRAWS times, and the
+    summed accept_counts of its verify steps."""
+    target, draft = tiny_tables()
+    speculator = speculate.DraftModelSpeculator(draft, 2, tree_nodes)
+    prompt, first = torch.tensor(PREFIX), torch.tensor([FIRST])
+    target.setup_caches(1, len(PREFIX) + 3 + speculator.lookahead + 1)
+    target(prompt.view(1, -1), torch.arange(len(PREFIX)).view(1, -1))  # the prefill
+    engine = generate.Engine(target)
+    torch.manual_seed(seed)
+    draws, accept_counts = [], [0, 0, 0]
+    for _ in range(DRAWS):
+        ids, _ = speculator.generate(engine, prompt, first, 3, sampling, eos_ids=[], stop_at_eos=False)
+        draws.append(ids[0][1:])
+        accept_counts = [a + b for a, b in zip(accept_counts, speculator.accept_counts)]
+    return torch.tensor(draws), accept_counts
+
+
+def exact_target(sampling: Sampling):
+    """The target's p(x1) and p(x1, x2) = p(x1) p(x2 | x1) after PREFIX + [FIRST], by enumeration."""
+    target, _ = tiny_tables()
+    context = tuple(PREFIX + [FIRST])
+    p1 = logits_to_probs(target.logits(context), sampling).double()
+    p2 = torch.stack([logits_to_probs(target.logits(context + (a,)), sampling) for a in range(VOCAB)]).double()
+    return p1, p1[:, None] * p2
+
+
+def chi_square_pvalue(counts, probs) -> float:
+    """Pearson's test of observed counts against exact probabilities (cells expecting fewer than 5 draws
+    pooled); 0 if a token of probability 0 was drawn."""
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)]).double()
+    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2, dtype=torch.double), chi2 / 2))
+
+
+def lossless_pvalues(tree_nodes: int, sampling: Sampling):
+    draws, accept_counts = speculative_draws(tree_nodes, sampling)
+    p1, joint = exact_target(sampling)
+    first, second = draws[:, 0], draws[:, 1]
+    pvalues = {"first token": chi_square_pvalue(torch.bincount(first, minlength=VOCAB), p1),
+               "second token": chi_square_pvalue(torch.bincount(second, minlength=VOCAB), joint.sum(0)),
+               "pair": chi_square_pvalue(torch.bincount(first * VOCAB + second, minlength=VOCAB ** 2),
+                                         joint.flatten())}
+    return pvalues, accept_counts
+
+
+choose_children = speculate.DraftModelSpeculator.choose_children
+
+
+def residual_ignores_draft(p, q, x):
+    """Broken: after a rejection, sample the target's p again instead of norm(max(0, p - q))."""
+    return p / p.sum()
+
+
+def ratio_with_unfiltered_q(self, logits, sampling):
+    """Broken: the draft samples from its top-k / top-p distribution, but verify() is handed the
+    distribution before top-k / top-p."""
+    unfiltered = logits_to_probs(logits.view(1, -1), Sampling(sampling.temperature))[0]
+    return [(token, None if q is None else unfiltered, score) for token, q, score in choose_children(self, logits, sampling)]
+
+
+def greedy_draft_with_soft_q(self, logits, sampling):
+    """Broken: the draft proposes its argmax, but verify() is told it was sampled from q."""
+    q = logits_to_probs(logits.view(1, -1), sampling)[0]
+    return [(int(q.argmax()), q, 0.0)]
+
+
+T1, T07_TOPK_TOPP, T1_TOPK = Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.9), Sampling(1.0, top_k=4)
+LOSSLESS_CASES = {  # name: (sampling, what to break or None)
+    "temperature 1": (T1, None),
+    "temperature 0.7, top-k, top-p": (T07_TOPK_TOPP, None),
+    "temperature 1, top-k": (T1_TOPK, None),
+    "broken: residual ignores the draft": (T1, ("residual", residual_ignores_draft)),
+    "broken: ratio with the unfiltered draft": (T1_TOPK, ("choose_children", ratio_with_unfiltered_q)),
+    "broken: greedy draft, sampled q": (T1, ("choose_children", greedy_draft_with_soft_q)),
+}
+
+
+@pytest.mark.parametrize("case", LOSSLESS_CASES)
+def test_sampling_is_lossless(case, monkeypatch):
+    sampling, breakage = LOSSLESS_CASES[case]
+    if breakage is not None:
+        name, broken = breakage
+        monkeypatch.setattr(speculate if name == "residual" else speculate.DraftModelSpeculator, name, broken)
+    pvalues, accept_counts = lossless_pvalues(2, sampling)
+    if breakage is None:
+        assert min(pvalues.values()) > REJECT_BELOW, pvalues
+        assert accept_counts[0] > 0.1 * DRAWS and accept_counts[2] > 0.1 * DRAWS  # rejections and full accepts
+    else:
+        assert min(pvalues.values()) < REJECT_BELOW, pvalues

@@ -1,0 +1,239 @@
+"""Token-tree verification (speculate.py): one forward over a token tree gives each node the logits of its
+own branch; compacting the KV cache after a non-contiguous accepted path leaves the target's and the
+draft's caches as if that path had been decoded normally; tree and n-gram drafting give plain greedy
+output; and multi-candidate (sibling) verification samples exactly from the target.
+"""
+import random
+
+import pytest
+import torch
+
+from conftest import ROOT  # noqa: F401  (first: it puts the repository on sys.path)
+import generate
+import speculate
+from generate import Sampling
+from model import ModelArgs, Transformer
+from test_speculative import (DRAWS, PROMPTS, REJECT_BELOW, T07_TOPK_TOPP, T1, copy_checkpoint, lossless_pvalues,
+                              plain_greedy, run, speculative, tokens)
+
+
+@pytest.fixture(scope="module")
+def near_draft(random_target, tmp_path_factory):
+    """A draft close to the target (its weights plus noise), confident enough to grow deep trees."""
+    return copy_checkpoint(random_target, tmp_path_factory.mktemp("near_draft"), noise=0.1, sharpen=8.0)
+
+
+def random_tree(rng: random.Random, nodes: int, pads: int = 0):
+    """Parents (root first, every parent before its children, then `pads` padding nodes) and depths;
+    a mix of long chains and bushy levels."""
+    parents = [-1] + [i - 1 if rng.random() < 0.4 else rng.randrange(i) for i in range(1, nodes)]
+    parents += [speculate.NO_PARENT] * pads
+    depths = []
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return parents, depths
+
+
+def branch(parents: list, node: int) -> list:
+    """The nodes from the root down to `node` (a padding node is a branch of its own)."""
+    nodes = [node]
+    while parents[nodes[0]] >= 0:
+        nodes.insert(0, parents[nodes[0]])
+    return nodes
+
+
+def full_forward(model, ids: list):
+    """Logits [len(ids), vocab] of one causal forward over `ids` from position 0 (rewrites the cache from slot 0)."""
+    return model(torch.tensor([ids]), torch.arange(len(ids)).view(1, -1))[0]
+
+
+# ----------------------------------------------------------------------------- tree attention
+
+@pytest.mark.parametrize("kind", ["gqa", "mha"])
+@torch.no_grad()
+def test_tree_forward_equals_each_branch_alone(kind, random_target):
+    """Positions = prefix length + depth, and the mask from speculate.tree_mask: each node's logits equal
+    those of its root-to-node branch run alone after the prefix."""
+    if kind == "gqa":
+        model = generate.load_model(random_target)  # 4 query heads over 2 key/value heads
+    else:
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(dim=32, n_layer=2, n_head=4, vocab_size=64, block_size=128)).eval()
+    assert (model.args.n_local_heads < model.args.n_head) == (kind == "gqa")
+    model.setup_caches(1, 64)
+    rng = random.Random(0)
+    vocab = model.args.vocab_size
+    for _ in range(6):
+        parents, depths = random_tree(rng, rng.randrange(2, 21), pads=rng.randrange(3))
+        n, start = len(parents), rng.randrange(1, 12)
+        prefix = [rng.randrange(vocab) for _ in range(start)]
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        want = torch.stack([full_forward(model, prefix + [ids[i] for i in branch(parents, i)])[-1] for i in range(n)])
+        full_forward(model, prefix)
+        got = model(torch.tensor([ids]), torch.tensor([[start + d for d in depths]]),
+                    torch.arange(start, start + n).view(1, -1),
+                    speculate.tree_mask(parents, start, model.max_seq_length, "cpu"))[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- KV-cache compaction
+
+@torch.no_grad()
+def test_target_cache_after_compaction_equals_fresh_decoding(random_target):
+    """Three rounds of: a tree forward, accept a root-to-node path whose nodes are scattered over the
+    tree's slots, move its keys/values to contiguous slots. Then decoding goes on with logits equal to
+    those of a fresh model that read the prefix and the accepted paths as one sequence."""
+    model, fresh = generate.load_model(random_target), generate.load_model(random_target)
+    model.setup_caches(1, 96)
+    fresh.setup_caches(1, 96)
+    rng = random.Random(1)
+    vocab = model.args.vocab_size
+    sequence = [rng.randrange(vocab) for _ in range(7)]  # what the cache holds, in order
+    full_forward(model, sequence)
+    pos, root = len(sequence), rng.randrange(vocab)  # the root sits at slot pos, not yet cached
+    for _ in range(3):
+        parents, depths = random_tree(rng, 12)
+        path = branch(parents, max(range(12), key=lambda i: (depths[i], i)))[1:]
+        assert path != list(range(1, len(path) + 1))  # not already contiguous
+        ids = [root] + [rng.randrange(vocab) for _ in range(11)]
+        model(torch.tensor([ids]), torch.tensor([[pos + d for d in depths]]), torch.arange(pos, pos + 12).view(1, -1),
+              speculate.tree_mask(parents, pos, model.max_seq_length, "cpu"))
+        speculate.move_cache_slots(model, [pos + i for i in path], list(range(pos + 1, pos + 1 + len(path))))
+        sequence += [root] + [ids[i] for i in path]
+        pos, root = pos + 1 + len(path), rng.randrange(vocab)
+    going_on = [root, rng.randrange(vocab), rng.randrange(vocab)]
+    got = model(torch.tensor([going_on]), torch.arange(pos, pos + 3).view(1, -1))[0]
+    torch.testing.assert_close(got, full_forward(fresh, sequence + going_on)[-3:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("last_node_fed", [True, False])
+@torch.no_grad()
+def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_node_fed):
+    """The draft grows a tree (4 children per expanded node, so an accepted path's keys/values lie at
+    scattered slots); after a path is accepted its cache is compacted, and a last accepted node the draft
+    never read is fed with the next root. The next step's draft logits equal a fresh model's on the prefix
+    and the accepted path read as one sequence."""
+    draft, fresh = generate.load_model(random_draft), generate.load_model(random_draft)
+    fresh.setup_caches(1, 64)
+    speculator = speculate.DraftModelSpeculator(draft, 3, 9)
+    assert speculator.width == 4
+    prompt = [1, 17, 33, 250, 7, 90]
+    speculator.start(torch.tensor(prompt), 64)
+    calls = []  # (token ids, logits) of every draft forward
+    forward = speculator.engine.forward
+
+    def recorded(*args):
+        calls.append((args[0], forward(*args)))
+        return calls[-1][1]
+
+    speculator.engine.forward = recorded
+    pos, root = len(prompt), 42
+    tree = speculator.draft(root, pos, 3, prompt + [root], Sampling())
+    # a depth-2 node the draft read (it expanded it), or a depth-3 node it drafted but never read
+    ends = [i for i, d in enumerate(tree.depths) if d == 2 and i in speculator.kept_draft_slot] if last_node_fed \
+        else [i for i, d in enumerate(tree.depths) if d == 3]
+    path = branch(tree.parents, ends[-1])[1:]
+    assert speculator.kept_draft_slot[path[1]] != pos + 2  # its keys/values are not where they belong
+    speculator.accepted(path, tree, pos)
+    assert speculator.pending == ([] if last_node_fed else [tree.tokens[path[-1]]])
+
+    sequence = prompt + [root] + [tree.tokens[i] for i in path]
+    pos, root = pos + 1 + len(path), 99
+    calls.clear()
+    speculator.draft(root, pos, 3, sequence + [root], Sampling())
+    want = full_forward(fresh, sequence + [root])
+    (fed, got), (frontier, frontier_logits) = calls[:2]
+    torch.testing.assert_close(got[0], want[-len(fed[0]):], rtol=1e-5, atol=1e-5)  # pending token + root
+    for token, logits in zip(frontier[0].tolist(), frontier_logits[0]):  # the first expanded level
+        torch.testing.assert_close(logits, full_forward(fresh, sequence + [root, token])[-1], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- greedy: token identity
+
+@pytest.mark.parametrize("draft,k,nodes", [("near", 4, 10), ("near", 3, 16), ("near", 2, 5), ("near", 8, 24),
+                                           ("self", 3, 16), ("random", 4, 10), ("trained", 4, 10)])
+def test_greedy_tree_identical_to_plain_decoding(random_target, near_draft, random_draft, trained_pair, draft, k, nodes):
+    if draft == "trained":
+        target, path = trained_pair / "target/model.pth", trained_pair / "draft/model.pth"
+    else:
+        target, path = random_target, {"near": near_draft, "self": random_target, "random": random_draft}[draft]
+    prompt = PROMPTS[k % 2]
+    stats = speculative(target, path, k, "--tree_nodes", nodes, "--ignore_eos", prompt=prompt)
+    assert tokens(stats) == plain_greedy(target, prompt)[:29]
+    # the tree's size and the distribution of accepted depths
+    counts = stats["accept_counts"]
+    assert stats["tree_nodes"] == nodes and stats["speculate_k"] == k and len(counts) == k + 1
+    steps = sum(counts)
+    assert steps == stats["target_forwards"] - 1 and stats["draft_forwards"] == 1 + k * steps
+    if draft in ("near", "self"):
+        assert max(i for i, c in enumerate(counts) if c) >= 2  # deeper than one token
+
+
+def test_greedy_tree_stops_exactly(random_target, near_draft, tmp_path):
+    want = plain_greedy(random_target)
+    for n in (1, 2, 6, 11, 17):
+        got = speculative(random_target, near_draft, 4, "--tree_nodes", 10, "--ignore_eos", n=n)
+        assert tokens(got) == want[:n]
+    j = 7
+    assert want[j] not in want[:j]
+    target = copy_checkpoint(random_target, tmp_path / "eos", eos_token_id=want[j])
+    assert tokens(speculative(target, near_draft, 4, "--tree_nodes", 10, n=30)) == want[:j + 1]
+
+
+REPEATING = "def f(x):\n    return x\n\n" * 3 + "def f("
+
+
+@pytest.mark.parametrize("extra", [["--draft_ngram", 3], ["--draft_ngram", 3, "--speculate_k", 4, "--tree_nodes", 10],
+                                   ["--draft_ngram", 2, "--speculate_k", 2]])
+@pytest.mark.parametrize("prompt", [PROMPTS[0], REPEATING], ids=["prompt", "repeating prompt"])
+def test_ngram_greedy_identical_to_plain_decoding(random_target, extra, prompt):
+    stats = run(random_target, "--ignore_eos", *extra, prompt=prompt, n=40)
+    assert tokens(stats) == plain_greedy(random_target, prompt, 40)
+    assert stats["speculative"] == "ngram" and stats["draft_forwards"] == 0
+    assert sum(stats["accept_counts"][2:]) > 0  # the n-grams did hit
+    assert tokens(run(random_target, "--ignore_eos", *extra, prompt=prompt, n=7)) == plain_greedy(random_target, prompt, 40)[:7]
+
+
+# ----------------------------------------------------------------------------- sampling is lossless
+
+real_residual = speculate.residual
+
+
+def sibling_residual_kept(p, q, x):
+    """Broken: after a deterministic child (a sibling) is rejected, its siblings and the final sample are
+    checked against the unchanged p instead of the residual (p with the rejected token removed)."""
+    return p if q is None else real_residual(p, q, x)
+
+
+TREE_CASES = {  # name: (sampling, broken residual or None)
+    "temperature 1": (T1, None),
+    "temperature 0.7, top-k, top-p": (T07_TOPK_TOPP, None),
+    "broken: sibling residual": (T1, sibling_residual_kept),
+}
+
+
+@pytest.mark.parametrize("case", TREE_CASES)
+def test_tree_sampling_is_lossless(case, monkeypatch):
+    """The chi-square test of test_speculative.py with a depth-2 tree of 4 nodes (3 candidates per
+    expanded node, verified one after another against the residual) instead of a chain."""
+    sampling, broken = TREE_CASES[case]
+    seen = {"most root children": 0, "later sibling accepted": 0}
+    verify = speculate.verify
+
+    def watched_verify(tree, target_probs):
+        path, token = verify(tree, target_probs)
+        children = tree.children()[0]
+        seen["most root children"] = max(seen["most root children"], len(children))
+        seen["later sibling accepted"] += bool(path) and path[0] != children[0]
+        return path, token
+
+    monkeypatch.setattr(speculate, "verify", watched_verify)
+    if broken is not None:
+        monkeypatch.setattr(speculate, "residual", broken)
+    pvalues, accept_counts = lossless_pvalues(4, sampling)
+    if broken is None:
+        assert min(pvalues.values()) > REJECT_BELOW, pvalues
+        assert seen["most root children"] >= 3 and seen["later sibling accepted"] > 0.05 * DRAWS, seen
+        assert accept_counts[0] > 0 and accept_counts[2] > 0
+    else:
+        assert min(pvalues.values()) < REJECT_BELOW, pvalues

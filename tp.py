@@ -1,0 +1,178 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) over torch.distributed, launched by torchrun.
+
+    torchrun --nproc_per_node=8 generate.py --compile --checkpoint_path checkpoints/meta-llama/Llama-2-70b-hf/model.pth
+
+Every rank holds a slice of each transformer block and runs the same program on the same tokens:
+  attention      wqkv column-parallel: rank r keeps its n_head/N query heads and n_kv/N key/value heads
+                 (re-fused as [q; k; v]), so its KV cache holds only its KV heads; wo row-parallel
+  feed-forward   w1 (gate), w3 (up) column-parallel; w2 (down) row-parallel
+  after wo and after w2 the partial sums are added up by one all-reduce: two per block.
+Column-parallel keeps a range of output rows (and a quantized layer's per-row scales with them);
+row-parallel keeps a range of input columns (int4's group scales are sliced with them, int8's per-row
+scales stay whole). The collectives are torch.ops._c10d_functional ops, so torch.compile traces them.
+
+What is not split, and why:
+  tok_embeddings  replicated: a lookup reads only the B*T rows it needs, so sharding saves memory
+                  but no bandwidth, and would cost one more all-reduce per forward.
+  output          sharded by vocabulary rows when N divides the vocabulary, then all-gathered: it is
+                  read in full every forward (Llama 3's 128K x 8192 is 12% of a 70B rank's per-token
+                  reads at N=8), and the gathered logits are small. Otherwise it is replicated.
+  the draft       (speculative decoding) replicated: it is small, and its forwards are latency-bound,
+                  not bandwidth-bound; sharding would add 2 all-reduces per layer to each of the K
+                  draft forwards per step for almost no bandwidth saved.
+Ranks never diverge: every rank computes the full logits (the all-reduce and all-gather hand every
+rank the same bits), and sampling, speculate.verify's torch.rand and the draft all run from the same
+seed (generate.main seeds every rank alike), so all ranks pick the same tokens without a broadcast.
+"""
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from generate import UserError
+
+
+def init_distributed(device: str) -> tuple:
+    """Join the torchrun job (global RANK/WORLD_SIZE, so several nodes work the same); returns (rank, world_size).
+    NCCL on CUDA, each rank on cuda:LOCAL_RANK; gloo on CPU."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+            raise UserError("WORLD_SIZE > 1 but RANK/MASTER_ADDR are not set: launch with "
+                            "torchrun --nproc_per_node=N generate.py ...")
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if device.startswith("cuda"):
+            if device != "cuda":
+                raise UserError(f"--device {device}: under torchrun pass --device cuda; rank r uses cuda:LOCAL_RANK")
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                    device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def check_world_size(model, world_size: int):
+    """Refuse a world size that does not split every head group and the feed-forward evenly."""
+    args = model.args
+    sizes = {"n_head": args.n_head, "n_kv_heads": args.n_local_heads, "intermediate_size": args.intermediate_size}
+    bad = [f"{name}={n}" for name, n in sizes.items() if n % world_size]
+    if bad:
+        common = math.gcd(*sizes.values())
+        valid = [n for n in range(2, common + 1) if common % n == 0]
+        fix = (f"launch torchrun with a total of N ranks (--nproc_per_node x --nnodes), N in {valid}" if valid
+               else "this model does not split, run generate.py without torchrun")
+        raise UserError(f"tensor parallelism over {world_size} ranks needs {', '.join(bad)} to be a multiple of "
+                        f"{world_size}: {fix}")
+
+
+def apply_tp(model, rank: int, world_size: int):
+    """Shard a loaded target model in place for this rank. generate.load_model calls it on the memory-mapped
+    checkpoint, before the model moves to its device, so each rank reads and holds only its own part."""
+    check_world_size(model, world_size)
+    group = dist.group.WORLD.group_name if dist.is_initialized() else None
+    for layer in model.layers:
+        attn, ffn = layer.attention, layer.feed_forward
+        q_size, kv_size = attn.n_head * attn.head_dim, attn.n_local_heads * attn.head_dim
+        q_rows, kv_rows = q_size // world_size, kv_size // world_size
+        q = torch.arange(rank * q_rows, (rank + 1) * q_rows)
+        kv = torch.arange(rank * kv_rows, (rank + 1) * kv_rows)
+        keep_rows(attn.wqkv, torch.cat([q, q_size + kv, q_size + kv_size + kv]))  # [q; k; v] of this rank
+        keep_columns(attn.wo, rank, world_size)
+        attn.n_head //= world_size
+        attn.n_local_heads //= world_size
+        rows = model.args.intermediate_size // world_size
+        for linear in (ffn.w1, ffn.w3):
+            keep_rows(linear, torch.arange(rank * rows, (rank + 1) * rows))
+        keep_columns(ffn.w2, rank, world_size)
+        for module in (attn, ffn):
+            module.register_forward_hook(lambda _m, _inputs, out: all_reduce(out, group))
+    vocab = model.args.vocab_size
+    if vocab % world_size == 0:
+        part = vocab // world_size
+        keep_rows(model.output, torch.arange(rank * part, (rank + 1) * part))
+        model.output.register_forward_hook(lambda _m, _inputs, out: all_gather_last_dim(out, world_size, group))
+    model.world_size = world_size
+    return model
+
+
+def all_reduce(x: Tensor, group) -> Tensor:
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", group))
+
+
+def all_gather_last_dim(x: Tensor, world_size: int, group) -> Tensor:
+    # the collective stacks the ranks' [B, T, V/N] along dim 0; put them side by side along the vocabulary
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), world_size, group)
+    gathered = torch.ops._c10d_functional.wait_tensor(gathered)
+    return torch.cat(gathered.chunk(world_size, dim=0), dim=-1)
+
+
+def own_tensors(module: nn.Module):
+    return list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+
+
+def replace(module: nn.Module, name: str, tensor: Tensor):
+    # a new Parameter, never .data: the output layer may share its weight with the embeddings
+    if name in module._parameters:
+        module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[name] = tensor
+
+
+def keep_rows(linear: nn.Module, rows: Tensor):
+    """Column-parallel: keep these output rows of the weight and of every per-row tensor (int8's scales).
+    A module whose tensors do not hold rows along dim 0 (int4's [K/G, N, 2] scales) slices itself."""
+    if hasattr(linear, "keep_rows"):
+        return linear.keep_rows(rows)
+    for name, tensor in own_tensors(linear):
+        replace(linear, name, tensor.index_select(0, rows.to(tensor.device)))
+    if hasattr(linear, "out_features"):
+        linear.out_features = len(rows)
+
+
+def keep_columns(linear: nn.Module, rank: int, world_size: int):
+    """Row-parallel: keep this rank's slice of the input dimension (dim 1) of the weight; 1-D per-output-row
+    scales (int8) stay whole: each rank's partial sum is scaled before the all-reduce. A module with its own
+    keep_columns (int4: group scales along dim 0, and a shard must hold whole groups) slices itself."""
+    if hasattr(linear, "keep_columns"):
+        return linear.keep_columns(rank, world_size)
+    for name, tensor in own_tensors(linear):
+        if tensor.dim() >= 2:
+            part = tensor.shape[1] // world_size
+            replace(linear, name, tensor.narrow(1, rank * part, part).contiguous())
+    if hasattr(linear, "in_features"):
+        linear.in_features //= world_size
+
+
+def end_process(error=None):
+    """End this rank's process: after a successful run all ranks leave together and release the process
+    group; `error` is printed and ends it with status 1 (no barrier: another rank may be inside a collective,
+    torchrun stops it). The interpreter's own shutdown is skipped: the collective library's worker threads
+    can still be dropping the last collectives' tensors, and if that happens while Python tears itself down
+    the process aborts ("terminate called without an active exception", seen with gloo on a loaded CPU)."""
+    if error is None:
+        dist.barrier()
+        dist.destroy_process_group()
+    else:
+        print(error, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if error is None else 1)
+
+
+def read_prompt(question: str) -> str:
+    """Interactive mode: rank 0 reads stdin, every rank gets the same text (EOFError on all at the end)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = input(question)
+        except EOFError:
+            pass
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise EOFError
+    return box[0]
