@@ -228,7 +228,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/tiny/target/model.pth"))
     p.add_argument("--draft_checkpoint_path", type=Path, default=None)
-    p.add_argument("--speculate_k", default="5", help="draft depth K (1..32), or 'auto' for an adaptive depth")
+    p.add_argument("--speculate_k", default="5", help="draft depth K (>= 1), or 'auto' for an adaptive depth")
     p.add_argument("--tree_nodes", type=int, default=None,
                    help="draft tokens verified per target forward; equal to speculate_k means a chain")
     p.add_argument("--draft_ngram", type=int, default=0, metavar="N",

@@ -86,6 +86,19 @@ def verify(tree: Tree, target_probs: Tensor):
         node = accepted
 
 
+def verify_greedy(tree: Tree, argmax: list):
+    """verify() at temperature 0, where p is one-hot: follow the children that equal the target's argmax
+    (the longest matching root-to-node path), then take the target's argmax as the next token."""
+    kids = tree.children()
+    node, path = 0, []
+    while True:
+        match = next((child for child in kids[node] if tree.tokens[child] == argmax[node]), None)
+        if match is None:
+            return path, argmax[node]
+        path.append(match)
+        node = match
+
+
 def residual(p: Tensor, q: Optional[Tensor], x: int) -> Tensor:
     """norm(max(0, p - q)): what the target still owes after rejecting x drawn from q (q=None: point mass)."""
     rest = (p - q).clamp_min(0) if q is not None else p.index_fill(0, torch.tensor([x], device=p.device), 0)
@@ -149,7 +162,10 @@ class TreeSpeculator:
             with sdpa_context():
                 logits = target.forward(tokens, input_pos, slots, mask)
             self.target_forwards += 1
-            path, next_token = verify(tree, logits_to_probs(logits[0], sampling))
+            if sampling.temperature == 0:
+                path, next_token = verify_greedy(tree, logits[0].argmax(-1).tolist())
+            else:
+                path, next_token = verify(tree, logits_to_probs(logits[0], sampling))
             move_cache_slots(model, [pos + node for node in path], list(range(pos + 1, pos + 1 + len(path))))
             self.accepted(path, tree, pos)
             self.accept_counts[len(path)] += 1
@@ -254,10 +270,13 @@ class DraftModelSpeculator(TreeSpeculator):
             base = pos + 1 + (d - 1) * self.width
             for j, node in enumerate(frontier):
                 self.draft_slot[node] = base + j
-            mask = self.frontier_mask(tree, frontier, pos, base)
             x = torch.tensor([[tree.tokens[n] for n in frontier]], device=device)
             input_pos = torch.full((1, len(frontier)), pos + d, device=device)
-            slots = torch.arange(base, base + len(frontier), device=device).view(1, -1)
+            # a chain sits at consecutive slots (slot = position): the default causal mask is its tree mask
+            slots = mask = None
+            if self.width > 1:
+                mask = self.frontier_mask(tree, frontier, pos, base)
+                slots = torch.arange(base, base + len(frontier), device=device).view(1, -1)
             if len(frontier) < self.width:  # keep one static shape: pad with copies of the last node
                 extra = self.width - len(frontier)
                 x = torch.cat([x, x[:, -1:].expand(1, extra)], 1)
@@ -283,6 +302,8 @@ class DraftModelSpeculator(TreeSpeculator):
     def choose_children(self, logits: Tensor, sampling: Sampling):
         """[(token, proposal distribution or None, log-probability for ranking)]"""
         if self.width == 1:
+            if sampling.temperature == 0:  # greedy: the argmax, a point-mass proposal
+                return [(int(logits.argmax()), None, 0.0)]
             token, q = sample(logits.view(1, -1), sampling)
             return [(int(token[0]), q[0], 0.0)]
         # Rank children by how likely the target is to accept them. At temperature > 0 a deterministic child x
