@@ -6,7 +6,7 @@ verification (positions = prefix length + depth, a mask that shows each node its
 """
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 

@@ -239,7 +239,7 @@ class DraftModelSpeculator(TreeSpeculator):
         self.pending = []  # accepted tokens not yet in the draft's cache (before the root)
 
     def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
-        model, device = self.draft_model, self.draft_model.tok_embeddings.weight.device
+        device = self.draft_model.tok_embeddings.weight.device
         # depth 1: catch up on the pending token (if any) and read the root's distribution
         feed = self.pending + [root]
         start = pos - len(self.pending)

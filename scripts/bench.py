@@ -13,7 +13,6 @@ loader, exactly as a user runs them.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,16 +29,6 @@ from model import ModelArgs, Transformer
 VARIANTS = [  # (precision, quantization); int4 uses --int4_groupsize
     ("fp32", None), ("bf16", None), ("fp32", "int8"), ("fp32", "int4"),
 ]
-
-
-def quantized_checkpoint(model_pth: Path, mode: str, groupsize: int) -> Path:
-    name = "model_int8.pth" if mode == "int8" else f"model_int4.g{groupsize}.pth"
-    path = model_pth.with_name(name)
-    if not path.is_file():
-        extra = ["--groupsize", str(groupsize)] if mode == "int4" else []
-        subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(model_pth),
-                        "--mode", mode, *extra], check=True)
-    return path
 
 
 def random_large_checkpoint(directory: Path, name: str) -> Path:
@@ -70,7 +59,7 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
     read_gbs = bandwidth["read_gbs"]
     reference_ids = None
     for precision, quant in VARIANTS:
-        path = quantized_checkpoint(model_pth, quant, args.int4_groupsize) if quant else model_pth
+        path = benchlib.quantized_checkpoint(model_pth, quant, args.int4_groupsize) if quant else model_pth
         model = generate.load_model(path, "cpu", generate.PRECISIONS[precision])
         nbytes = model.model_bytes()
         modes = ["eager"] if args.no_compile else ["eager", "compile"]

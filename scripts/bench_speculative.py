@@ -15,7 +15,6 @@ implementation efficiency = measured speedup / predicted speedup.
 """
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -130,13 +129,7 @@ def main(argv=None):
     engine = generate.compile_engine(target, "cpu", False) if compile_ else generate.Engine(target)
     draft_engine = generate.compile_engine(draft, "cpu", False) if compile_ else generate.Engine(draft)
 
-    int8_draft = None
-    if (ROOT / "quantize.py").is_file():
-        int8_pth = draft_pth.with_name("model_int8.pth")
-        if not int8_pth.is_file():
-            subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(draft_pth),
-                            "--mode", "int8"], check=True)
-        int8_draft = generate.load_model(int8_pth)
+    int8_draft = generate.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"))
 
     rows = []
     greedy = generate.Sampling(0.0)
@@ -158,9 +151,7 @@ def main(argv=None):
         rows.append({"task": task, "temperature": temperature, "impl": "ours", "config": "plain",
                      "tokens_per_sec": base_tps, "speedup": 1.0})
         configs = [("chain", draft, args.k, None), (f"tree N={args.tree_nodes}", draft, args.k, args.tree_nodes),
-                   ("chain auto", draft, "auto", None)]
-        if int8_draft is not None:
-            configs.append(("chain, int8 draft", int8_draft, args.k, None))
+                   ("chain auto", draft, "auto", None), ("chain, int8 draft", int8_draft, args.k, None)]
         for name, model, k, nodes in configs:
             drafter = drafter_for(model, k, nodes, compile_=compile_)
             tps, runs = run_ours(engine, drafter, code_prompts, args, sampling)

@@ -3,7 +3,7 @@ transformers' generate() on the same weights, and writing the table and the JSON
 import json
 import os
 import platform
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,6 +89,17 @@ def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, drafter=None,
 
     seconds = best_seconds(run, repeats)
     return len(out["tokens"][0]) / seconds, out["tokens"][0], out["stats"]
+
+
+def quantized_checkpoint(model_pth: Path, mode: str, groupsize: int = 32) -> Path:
+    """quantize.py's file beside model_pth, written by the CLI exactly as a user does, if not there yet."""
+    name = "model_int8.pth" if mode == "int8" else f"model_int4.g{groupsize}.pth"
+    path = model_pth.with_name(name)
+    if not path.is_file():
+        extra = ["--groupsize", str(groupsize)] if mode == "int4" else []
+        subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(model_pth),
+                        "--mode", mode, *extra], check=True)
+    return path
 
 
 def hf_model(checkpoint_dir: Path, dtype=torch.float32, device="cpu"):

@@ -1,5 +1,6 @@
 """Shared fixtures: checkpoints the tests build themselves (random weights, a tiny tokenizer)."""
 import json
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -33,6 +34,21 @@ def write_checkpoint(directory: Path, tokenizer_model: Path, seed: int = 0, **mo
     (directory / "config.json").write_text(json.dumps(args.to_hf_config()))
     (directory / "tokenizer.model").write_bytes(tokenizer_model.read_bytes())
     torch.save(model.state_dict(), directory / "model.pth")
+    return directory / "model.pth"
+
+
+def copy_checkpoint(source, directory, noise=0.0, sharpen=1.0, seed=0, **config):
+    """A checkpoint directory with `source`'s weights plus Gaussian noise (`noise` times each tensor's std),
+    its output layer scaled by `sharpen` (more confident, same argmax), and config.json entries replaced."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source.parent / "tokenizer.model", directory)
+    hf_config = json.loads((source.parent / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(hf_config, **config)))
+    generator = torch.Generator().manual_seed(seed)
+    state = {name: w + noise * w.std() * torch.randn(w.shape, generator=generator)
+             for name, w in torch.load(source, weights_only=True).items()}
+    state["output.weight"] = state["output.weight"] * sharpen
+    torch.save(state, directory / "model.pth")
     return directory / "model.pth"
 
 

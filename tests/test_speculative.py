@@ -8,13 +8,12 @@ target's distribution computed by enumeration, which deliberately broken rejecti
 import functools
 import json
 import math
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import write_checkpoint  # first: it puts the repository on sys.path
+from conftest import copy_checkpoint, write_checkpoint  # first: it puts the repository on sys.path
 import generate
 import speculate
 from generate import Sampling, logits_to_probs
@@ -40,21 +39,6 @@ def tokens(stats: dict) -> list:
 def plain_greedy(target, prompt=PROMPTS[0], n=40) -> list:
     """The target's own greedy continuation (no draft), computed once per target and prompt."""
     return tokens(run(target, "--ignore_eos", prompt=prompt, n=n))
-
-
-def copy_checkpoint(source, directory, noise=0.0, sharpen=1.0, seed=0, **config):
-    """A checkpoint directory with `source`'s weights plus Gaussian noise (`noise` times each tensor's std),
-    its output layer scaled by `sharpen` (more confident, same argmax), and config.json entries replaced."""
-    directory.mkdir(parents=True, exist_ok=True)
-    shutil.copy(source.parent / "tokenizer.model", directory)
-    hf_config = json.loads((source.parent / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps(dict(hf_config, **config)))
-    generator = torch.Generator().manual_seed(seed)
-    state = {name: w + noise * w.std() * torch.randn(w.shape, generator=generator)
-             for name, w in torch.load(source, weights_only=True).items()}
-    state["output.weight"] = state["output.weight"] * sharpen
-    torch.save(state, directory / "model.pth")
-    return directory / "model.pth"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, write_checkpoint  # first: it puts the repository on sys.path (also for the worker)
+from conftest import ROOT, copy_checkpoint, write_checkpoint  # first: it puts the repository on sys.path (also for the worker)
 import generate
 
 PROMPT = "def main(): return main() if main else main(main(main("
@@ -66,14 +66,7 @@ SAMPLED = ["--temperature", 0.8, "--top_k", 50, "--seed", 7]
 def close_draft(tmp_path_factory, random_target) -> Path:
     """The target's weights plus noise: a draft that agrees with the target often but not always, so
     verification accepts anything from 0 to K tokens and the KV caches get compacted."""
-    directory = tmp_path_factory.mktemp("close_draft")
-    for name in ("config.json", "tokenizer.model"):
-        (directory / name).write_bytes((random_target.parent / name).read_bytes())
-    generator = torch.Generator().manual_seed(5)
-    state_dict = torch.load(random_target, weights_only=True)
-    torch.save({k: v + 0.2 * v.std() * torch.randn(v.shape, generator=generator) for k, v in state_dict.items()},
-               directory / "model.pth")
-    return directory / "model.pth"
+    return copy_checkpoint(random_target, tmp_path_factory.mktemp("close_draft"), noise=0.2, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +78,7 @@ def odd_vocab_target(tmp_path_factory, tokenizer_model) -> Path:
 
 @pytest.fixture(scope="module")
 def quantized_targets(tmp_path_factory, random_target) -> dict:
-    """The target quantized by quantize.py: {"int8": path, "int4": path} (empty without quantize.py)."""
-    if not (ROOT / "quantize.py").is_file():
-        return {}
+    """The target quantized by quantize.py: {"int8": path, "int4": path}."""
     import quantize
     directory = tmp_path_factory.mktemp("quantized")
     for name in ("config.json", "tokenizer.model", "model.pth"):
@@ -108,8 +99,7 @@ def worker_runs(tmp_path_factory, random_target, close_draft, odd_vocab_target, 
             # n-gram drafts come from earlier samples too: the second sample repeats the first one
             "greedy_ngram": cli(random_target, "--temperature", 0, "--draft_ngram", 2, "--speculate_k", 3,
                                 "--tree_nodes", 4, "--num_samples", 2)}
-    if "int4" in quantized_targets:
-        runs["greedy_int4"] = cli(quantized_targets["int4"], "--temperature", 0, *chain(close_draft))
+    runs["greedy_int4"] = cli(quantized_targets["int4"], "--temperature", 0, *chain(close_draft))
     torchrun(__file__, out, json.dumps([str(random_target), str(odd_vocab_target)]), json.dumps(runs))
     return runs, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
@@ -155,8 +145,6 @@ def test_ngram_drafting_tokens_equal_single_process(worker_runs):
 
 def test_int4_tokens_equal_single_process(worker_runs):
     runs, ranks = worker_runs
-    if "greedy_int4" not in runs:
-        pytest.skip("needs quantize.py")
     want = generate.main(runs["greedy_int4"])
     for rank in ranks:
         got = rank["runs"]["greedy_int4"]
@@ -179,8 +167,6 @@ def test_greedy_cli_tokens_equal_single_process(mode, random_target, close_draft
 
 
 def test_int8_cli_tokens_equal_single_process(quantized_targets, close_draft, tmp_path):
-    if "int8" not in quantized_targets:
-        pytest.skip("needs quantize.py")
     extra = ["--temperature", 0, *chain(close_draft)]
     want = single_process(quantized_targets["int8"], *extra)
     got, _ = tensor_parallel(tmp_path, quantized_targets["int8"], *extra)
