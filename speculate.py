@@ -16,7 +16,7 @@ from torch import Tensor
 from generate import Engine, Sampling, UserError, logits_to_probs, sample, sample_from, sdpa_context
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
-GREEDY_RANK_TEMPERATURE = 0.15  # sharpening of the draft's distribution when ranking tree nodes for greedy decoding
+GREEDY_RANK_TEMPERATURE = 0.3  # sharpening of the draft's distribution when ranking tree nodes for greedy decoding
 
 
 @dataclass
@@ -210,6 +210,57 @@ class TreeSpeculator:
         pass
 
 
+class AcceptanceTable:
+    """How likely the verifier is to accept a drafted tree node, learned while generating.
+
+    EAGLE-2 (Li et al. 2024) ranks nodes by the draft's own probability, which presumes a calibrated
+    draft; Sequoia (Chen et al. 2024) measures instead how often the k-th most likely child is accepted.
+    Here each child falls in a cell (its rank among its siblings, a bucket of the draft's probability q
+    of it, a bucket of the prior: q sharpened for greedy verification, which accepts the target's
+    argmax rather than a sample). Over the children of nodes the verifier reached, each cell counts how
+    many were reached and accepted, recent steps weighing more, and estimates
+    P(accept | parent reached) = (accepted + w * prior) / (reached + w).
+    A node's score is the sum of these log-estimates along its path."""
+    LOG_Q_EDGES = (-6.0, -4.0, -3.0, -2.0, -1.5, -1.0, -0.5, -0.2)
+    PRIOR_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)
+    PRIOR_WEIGHT = 4.0  # w: the prior counts as this many observations
+    DECAY = 0.98  # per verification step
+
+    def __init__(self, width: int):
+        self.log_q_edges, self.prior_edges = torch.tensor(self.LOG_Q_EDGES), torch.tensor(self.PRIOR_EDGES)
+        cells = width * (len(self.LOG_Q_EDGES) + 1) * (len(self.PRIOR_EDGES) + 1)
+        self.reached = torch.zeros(cells, dtype=torch.float64)
+        self.accepted = torch.zeros(cells, dtype=torch.float64)
+
+    def children(self, logits: Tensor, sampling: Sampling, width: int) -> list:
+        """The `width` most probable children of each row of logits [rows, V], chosen deterministically:
+        [[(token, log-estimate, cell)]], zero-probability children left out."""
+        logits = logits.float().cpu()
+        if sampling.temperature > 0:  # verify() accepts a deterministic child x with probability p(x) ~ q(x)
+            q = prior = logits_to_probs(logits, sampling)
+        else:
+            q, prior = logits.softmax(-1), (logits / GREEDY_RANK_TEMPERATURE).softmax(-1)
+        top = torch.topk(prior, width, dim=-1)
+        q_bucket = torch.bucketize(q.gather(-1, top.indices).clamp_min(1e-30).log(), self.log_q_edges)
+        prior_bucket = torch.bucketize(top.values, self.prior_edges)
+        rank = torch.arange(width)
+        cells = (rank * (len(self.LOG_Q_EDGES) + 1) + q_bucket) * (len(self.PRIOR_EDGES) + 1) + prior_bucket
+        estimate = (self.accepted[cells] + self.PRIOR_WEIGHT * top.values) / (self.reached[cells] + self.PRIOR_WEIGHT)
+        scores = estimate.clamp(1e-12, 1).log()
+        return [[(t, s, c) for t, s, c, v in zip(*row) if v > 0]
+                for row in zip(top.indices.tolist(), scores.tolist(), cells.tolist(), top.values.tolist())]
+
+    def observe(self, tree: Tree, cells: list, path: list):
+        """The verifier reached the root and every accepted node, and accepted the nodes on the path."""
+        kids, on_path = tree.children(), set(path)
+        self.reached *= self.DECAY
+        self.accepted *= self.DECAY
+        for node in [0] + path:
+            for child in kids[node]:
+                self.reached[cells[child]] += 1
+                self.accepted[cells[child]] += child in on_path
+
+
 class DraftModelSpeculator(TreeSpeculator):
     """A small draft model grows the tree one depth per forward (EAGLE-2 style dynamic tree):
     expand the `width` most probable nodes of the newest depth, give each its `width` most probable
@@ -225,6 +276,7 @@ class DraftModelSpeculator(TreeSpeculator):
         self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth) + 1))
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         self.engine = Engine(draft_model)
+        self.table = AcceptanceTable(self.width)  # kept across the samples of one run
 
     def compile(self, device):
         from generate import compile_engine
@@ -251,16 +303,18 @@ class DraftModelSpeculator(TreeSpeculator):
         self.pending = []
         tree = Tree([root], [-1], [0], [None])
         self.draft_slot = {0: pos}
+        self.cells = [None]  # per drafted node: its acceptance-table cell (trees only)
         frontier = [0]
         scores = [0.0]
         for d in range(1, depth + 1):
             newest = []
-            for row, parent in enumerate(frontier):
-                for token, proposal, logp in self.choose_children(logits[row], sampling):
+            for parent, children in zip(frontier, self.expand(logits[:len(frontier)], sampling)):
+                for token, proposal, logp, cell in children:
                     tree.tokens.append(token)
                     tree.parents.append(parent)
                     tree.depths.append(d)
                     tree.proposals.append(proposal)
+                    self.cells.append(cell)
                     scores.append(scores[parent] + logp)
                     newest.append(len(tree.tokens) - 1)
             if d == depth:
@@ -299,23 +353,19 @@ class DraftModelSpeculator(TreeSpeculator):
                 n = tree.parents[n]
         return mask.view(1, 1, len(frontier), S).to(self.draft_model.tok_embeddings.weight.device)
 
-    def choose_children(self, logits: Tensor, sampling: Sampling):
-        """[(token, proposal distribution or None, log-probability for ranking)]"""
+    def expand(self, logits: Tensor, sampling: Sampling) -> list:
+        """Children of each frontier row: [[(token, proposal or None, score, acceptance cell)]]."""
         if self.width == 1:
-            if sampling.temperature == 0:  # greedy: the argmax, a point-mass proposal
-                return [(int(logits.argmax()), None, 0.0)]
-            token, q = sample(logits.view(1, -1), sampling)
-            return [(int(token[0]), q[0], 0.0)]
-        # Rank children by how likely the target is to accept them. At temperature > 0 a deterministic child x
-        # is accepted with probability p(x) (point-mass proposal), estimated by the draft's own warped q(x).
-        # Greedy verification accepts x iff it is the target's argmax, and for a flat distribution that is far
-        # likelier than q(x): a sharpened q estimates it better (measured in BENCHMARKS.md).
-        if sampling.temperature > 0:
-            logp = logits_to_probs(logits, sampling).clamp_min(1e-30).log()
-        else:
-            logp = torch.log_softmax(logits.float() / GREEDY_RANK_TEMPERATURE, dim=-1)
-        top = torch.topk(logp, self.width)
-        return [(int(t), None, float(v)) for t, v in zip(top.indices, top.values)]
+            return [[(*child, None) for child in self.choose_children(row, sampling)] for row in logits]
+        return [[(token, None, score, cell) for token, score, cell in row]
+                for row in self.table.children(logits, sampling, self.width)]
+
+    def choose_children(self, logits: Tensor, sampling: Sampling):
+        """Chain: [(token, proposal distribution or None for a point mass, score)]."""
+        if sampling.temperature == 0:  # greedy: the argmax, a point-mass proposal
+            return [(int(logits.argmax()), None, 0.0)]
+        token, q = sample(logits.view(1, -1), sampling)
+        return [(int(token[0]), q[0], 0.0)]
 
     def select(self, tree: Tree, scores: list) -> Tree:
         """Keep the tree_nodes best nodes; a child never outranks its parent, so the result is a tree."""
@@ -331,11 +381,14 @@ class DraftModelSpeculator(TreeSpeculator):
             out.depths.append(tree.depths[i])
             out.proposals.append(tree.proposals[i])
         self.kept_draft_slot = {index[i]: s for i, s in self.draft_slot.items() if i in index}
+        self.kept_cells = [self.cells[i] for i in [0] + keep]
         return out
 
     def accepted(self, path: list, tree: Tree, pos: int):
         """Compact the draft's cache like the target's; a last accepted node the draft never consumed
-        is fed at the start of the next step."""
+        is fed at the start of the next step. Trees also record which nodes were accepted."""
+        if self.width > 1:
+            self.table.observe(tree, self.kept_cells, path)
         fed = [node for node in path if node in self.kept_draft_slot]
         move_cache_slots(self.draft_model, [self.kept_draft_slot[n] for n in fed],
                          list(range(pos + 1, pos + 1 + len(fed))))

@@ -3,6 +3,7 @@ own branch; compacting the KV cache after a non-contiguous accepted path leaves 
 draft's caches as if that path had been decoded normally; tree and n-gram drafting give plain greedy
 output; and multi-candidate (sibling) verification samples exactly from the target.
 """
+import math
 import random
 
 import pytest
@@ -108,13 +109,14 @@ def test_target_cache_after_compaction_equals_fresh_decoding(random_target):
 
 @pytest.mark.parametrize("last_node_fed", [True, False])
 @torch.no_grad()
-def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_node_fed):
+def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_node_fed, monkeypatch):
     """The draft grows a tree (4 children per expanded node, so an accepted path's keys/values lie at
     scattered slots); after a path is accepted its cache is compacted, and a last accepted node the draft
     never read is fed with the next root. The next step's draft logits equal a fresh model's on the prefix
     and the accepted path read as one sequence."""
     draft, fresh = generate.load_model(random_draft), generate.load_model(random_draft)
     fresh.setup_caches(1, 64)
+    monkeypatch.setattr(speculate, "GREEDY_RANK_TEMPERATURE", 0.05)  # a random draft is flat: rank deep nodes high
     speculator = speculate.DraftModelSpeculator(draft, 3, 9)
     assert speculator.width == 4
     prompt = [1, 17, 33, 250, 7, 90]
@@ -181,6 +183,21 @@ def test_greedy_tree_stops_exactly(random_target, near_draft, tmp_path):
 
 
 REPEATING = "def f(x):\n    return x\n\n" * 3 + "def f("
+
+
+def test_acceptance_table_learns_which_children_the_verifier_accepts():
+    """The draft prefers token 0 then 1, but the verifier keeps taking its second guess: after a few
+    dozen steps the second child outranks the first, with estimates near the observed rates."""
+    table = speculate.AcceptanceTable(width=2)
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
+    [(first, second)] = table.children(logits, Sampling(), 2)
+    assert (first[0], second[0]) == (0, 1) and first[1] > second[1]  # before any evidence: the draft's order
+    tree = speculate.Tree([9, 0, 1], [-1, 0, 0], [0, 1, 1], [None] * 3)
+    for _ in range(50):
+        table.observe(tree, [None, first[2], second[2]], [2])
+    [(first, second)] = table.children(logits, Sampling(), 2)
+    assert (first[0], second[0]) == (0, 1)
+    assert math.exp(second[1]) > 0.85 and math.exp(first[1]) < 0.15
 
 
 @pytest.mark.parametrize("extra", [["--draft_ngram", 3], ["--draft_ngram", 3, "--speculate_k", 4, "--tree_nodes", 10],
