@@ -6,6 +6,7 @@ ancestors), accepts a root-to-node path plus one token from the target, and move
 path's keys/values to contiguous cache slots. A chain (--tree_nodes == --speculate_k) is the tree
 with one child per node; the n-gram drafter feeds the same verifier.
 """
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -48,12 +49,14 @@ class Tree:
 def tree_mask(parents: list, start: int, max_seq_length: int, device) -> Tensor:
     """[1, 1, n, max_seq_length] bool: node i at slot start+i sees slots < start and its ancestors."""
     n = len(parents)
+    sees = []  # sees[i][j]: node i attends to node j
+    for i, parent in enumerate(parents):
+        row = list(sees[parent]) if parent >= 0 else [False] * n
+        row[i] = True
+        sees.append(row)
     mask = torch.zeros(n, max_seq_length, dtype=torch.bool)
     mask[:, :start] = True
-    for i, parent in enumerate(parents):
-        mask[i, start + i] = True
-        if parent >= 0:
-            mask[i, start:start + n] |= mask[parent, start:start + n]
+    mask[:, start:start + n] = torch.tensor(sees)
     return mask.view(1, 1, n, max_seq_length).to(device)
 
 
@@ -210,6 +213,23 @@ class TreeSpeculator:
         pass
 
 
+def greedy_candidates(logits: Tensor, width: int):
+    """The `width` largest logits of each row [rows, V]: token ids, their log q (the draft's
+    distribution) and their log prior (q sharpened by GREEDY_RANK_TEMPERATURE), each [rows, width]."""
+    logits = logits.float()
+    top = torch.topk(logits, width, dim=-1)
+    log_q = top.values - torch.logsumexp(logits, -1, keepdim=True)
+    sharp = logits / GREEDY_RANK_TEMPERATURE
+    log_prior = top.values / GREEDY_RANK_TEMPERATURE - torch.logsumexp(sharp, -1, keepdim=True)
+    return top.indices, log_q, log_prior
+
+
+def draft_candidates(model, x: Tensor, input_pos: Tensor, slots: Optional[Tensor], mask: Optional[Tensor],
+                     width: int):
+    """A draft forward and greedy_candidates() of its logits, in one graph when compiled."""
+    return greedy_candidates(model(x, input_pos, slots, mask)[0], width)
+
+
 class AcceptanceTable:
     """How likely the verifier is to accept a drafted tree node, learned while generating.
 
@@ -227,34 +247,40 @@ class AcceptanceTable:
     DECAY = 0.98  # per verification step
 
     def __init__(self, width: int):
-        self.log_q_edges, self.prior_edges = torch.tensor(self.LOG_Q_EDGES), torch.tensor(self.PRIOR_EDGES)
-        cells = width * (len(self.LOG_Q_EDGES) + 1) * (len(self.PRIOR_EDGES) + 1)
-        self.reached = torch.zeros(cells, dtype=torch.float64)
-        self.accepted = torch.zeros(cells, dtype=torch.float64)
+        self.cells_per_rank = (len(self.LOG_Q_EDGES) + 1) * (len(self.PRIOR_EDGES) + 1)
+        self.reached = [0.0] * (width * self.cells_per_rank)
+        self.accepted = [0.0] * (width * self.cells_per_rank)
 
     def children(self, logits: Tensor, sampling: Sampling, width: int) -> list:
         """The `width` most probable children of each row of logits [rows, V], chosen deterministically:
         [[(token, log-estimate, cell)]], zero-probability children left out."""
-        logits = logits.float().cpu()
         if sampling.temperature > 0:  # verify() accepts a deterministic child x with probability p(x) ~ q(x)
-            q = prior = logits_to_probs(logits, sampling)
-        else:
-            q, prior = logits.softmax(-1), (logits / GREEDY_RANK_TEMPERATURE).softmax(-1)
-        top = torch.topk(prior, width, dim=-1)
-        q_bucket = torch.bucketize(q.gather(-1, top.indices).clamp_min(1e-30).log(), self.log_q_edges)
-        prior_bucket = torch.bucketize(top.values, self.prior_edges)
-        rank = torch.arange(width)
-        cells = (rank * (len(self.LOG_Q_EDGES) + 1) + q_bucket) * (len(self.PRIOR_EDGES) + 1) + prior_bucket
-        estimate = (self.accepted[cells] + self.PRIOR_WEIGHT * top.values) / (self.reached[cells] + self.PRIOR_WEIGHT)
-        scores = estimate.clamp(1e-12, 1).log()
-        return [[(t, s, c) for t, s, c, v in zip(*row) if v > 0]
-                for row in zip(top.indices.tolist(), scores.tolist(), cells.tolist(), top.values.tolist())]
+            top = torch.topk(logits_to_probs(logits, sampling), width, dim=-1)
+            log_q = top.values.clamp_min(1e-30).log().tolist()
+            return self.rank(top.indices.tolist(), log_q, log_q)
+        return self.rank(*(t.tolist() for t in greedy_candidates(logits, width)))
+
+    def rank(self, tokens: list, log_q: list, log_prior: list) -> list:
+        """Score each row's candidates (lists [rows][width], most probable first)."""
+        rows = []
+        for row_tokens, row_log_q, row_log_prior in zip(tokens, log_q, log_prior):
+            row = []
+            for rank, (token, lq, lp) in enumerate(zip(row_tokens, row_log_q, row_log_prior)):
+                prior = math.exp(lp)
+                if prior == 0:
+                    continue
+                cell = (rank * (len(self.LOG_Q_EDGES) + 1) + bisect.bisect(self.LOG_Q_EDGES, lq)) \
+                    * (len(self.PRIOR_EDGES) + 1) + bisect.bisect(self.PRIOR_EDGES, prior)
+                estimate = (self.accepted[cell] + self.PRIOR_WEIGHT * prior) / (self.reached[cell] + self.PRIOR_WEIGHT)
+                row.append((token, math.log(min(max(estimate, 1e-12), 1.0)), cell))
+            rows.append(row)
+        return rows
 
     def observe(self, tree: Tree, cells: list, path: list):
         """The verifier reached the root and every accepted node, and accepted the nodes on the path."""
         kids, on_path = tree.children(), set(path)
-        self.reached *= self.DECAY
-        self.accepted *= self.DECAY
+        self.reached = [n * self.DECAY for n in self.reached]
+        self.accepted = [n * self.DECAY for n in self.accepted]
         for node in [0] + path:
             for child in kids[node]:
                 self.reached[cells[child]] += 1
@@ -276,11 +302,14 @@ class DraftModelSpeculator(TreeSpeculator):
         self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth) + 1))
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         self.engine = Engine(draft_model)
+        self.candidates = draft_candidates
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
 
     def compile(self, device):
         from generate import compile_engine
         self.engine = compile_engine(self.draft_model, device, compile_prefill=True)
+        mode = "reduce-overhead" if device.startswith("cuda") else None
+        self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
 
     def start(self, prompt: Tensor, max_seq_length: int):
         self.draft_model.setup_caches(1, max_seq_length)
@@ -294,12 +323,9 @@ class DraftModelSpeculator(TreeSpeculator):
         device = self.draft_model.tok_embeddings.weight.device
         # depth 1: catch up on the pending token (if any) and read the root's distribution
         feed = self.pending + [root]
-        start = pos - len(self.pending)
         x = torch.tensor([feed], device=device)
-        input_pos = torch.arange(start, pos + 1, device=device).view(1, -1)
-        with sdpa_context():
-            logits = self.engine.forward(x, input_pos)[0, -1:]
-        self.draft_forwards += 1
+        input_pos = torch.arange(pos - len(self.pending), pos + 1, device=device).view(1, -1)
+        children = self.read(x, input_pos, None, None, sampling)[-1:]
         self.pending = []
         tree = Tree([root], [-1], [0], [None])
         self.draft_slot = {0: pos}
@@ -308,8 +334,8 @@ class DraftModelSpeculator(TreeSpeculator):
         scores = [0.0]
         for d in range(1, depth + 1):
             newest = []
-            for parent, children in zip(frontier, self.expand(logits[:len(frontier)], sampling)):
-                for token, proposal, logp, cell in children:
+            for parent, kids in zip(frontier, children):
+                for token, proposal, logp, cell in kids:
                     tree.tokens.append(token)
                     tree.parents.append(parent)
                     tree.depths.append(d)
@@ -324,46 +350,53 @@ class DraftModelSpeculator(TreeSpeculator):
             base = pos + 1 + (d - 1) * self.width
             for j, node in enumerate(frontier):
                 self.draft_slot[node] = base + j
-            x = torch.tensor([[tree.tokens[n] for n in frontier]], device=device)
-            input_pos = torch.full((1, len(frontier)), pos + d, device=device)
             # a chain sits at consecutive slots (slot = position): the default causal mask is its tree mask
             slots = mask = None
+            rows = frontier
             if self.width > 1:
-                mask = self.frontier_mask(tree, frontier, pos, base)
-                slots = torch.arange(base, base + len(frontier), device=device).view(1, -1)
-            if len(frontier) < self.width:  # keep one static shape: pad with copies of the last node
-                extra = self.width - len(frontier)
-                x = torch.cat([x, x[:, -1:].expand(1, extra)], 1)
-                input_pos = torch.cat([input_pos, input_pos[:, -1:].expand(1, extra)], 1)
-                slots = torch.cat([slots, torch.arange(base + len(frontier), base + self.width, device=device).view(1, -1)], 1)
-                mask = torch.cat([mask, mask[:, :, -1:].expand(1, 1, extra, mask.shape[-1])], 2)
-            with sdpa_context():
-                logits = self.engine.forward(x, input_pos, slots, mask)[0]
-            self.draft_forwards += 1
+                rows = frontier + frontier[-1:] * (self.width - len(frontier))  # one static shape: pad with copies
+                mask = self.frontier_mask(tree, rows, pos, base)
+                slots = torch.arange(base, base + self.width, device=device).view(1, -1)
+            x = torch.tensor([[tree.tokens[n] for n in rows]], device=device)
+            input_pos = torch.full((1, len(rows)), pos + d, device=device)
+            children = self.read(x, input_pos, slots, mask, sampling)[:len(frontier)]
         return self.select(tree, scores)
 
-    def frontier_mask(self, tree: Tree, frontier: list, pos: int, base: int) -> Tensor:
-        S = self.draft_model.max_seq_length
-        mask = torch.zeros(len(frontier), S, dtype=torch.bool)
-        mask[:, : pos + 1] = True
-        for j, node in enumerate(frontier):
-            n = node
-            while n > 0:
-                mask[j, self.draft_slot[n]] = True
-                n = tree.parents[n]
-        return mask.view(1, 1, len(frontier), S).to(self.draft_model.tok_embeddings.weight.device)
-
-    def expand(self, logits: Tensor, sampling: Sampling) -> list:
-        """Children of each frontier row: [[(token, proposal or None, score, acceptance cell)]]."""
+    def read(self, x: Tensor, input_pos: Tensor, slots, mask, sampling: Sampling) -> list:
+        """One draft forward; the children of each row of x: [[(token, proposal or None, score, cell)]]."""
+        self.draft_forwards += 1
+        with sdpa_context():
+            if sampling.temperature == 0:
+                tokens, log_q, log_prior = self.candidates(self.draft_model, x, input_pos, slots, mask, self.width)
+                if self.width == 1:  # chain: the argmax, a point-mass proposal
+                    return [[(token, None, 0.0, None)] for token in tokens[:, 0].tolist()]
+                rows = self.table.rank(tokens.tolist(), log_q.tolist(), log_prior.tolist())
+                return [[(token, None, score, cell) for token, score, cell in row] for row in rows]
+            logits = self.engine.forward(x, input_pos, slots, mask)[0]
         if self.width == 1:
             return [[(*child, None) for child in self.choose_children(row, sampling)] for row in logits]
         return [[(token, None, score, cell) for token, score, cell in row]
                 for row in self.table.children(logits, sampling, self.width)]
 
+    def frontier_mask(self, tree: Tree, frontier: list, pos: int, base: int) -> Tensor:
+        """[1, 1, width, max_seq_length]: frontier row j (at slot base + j) sees the prefix up to the root and
+        the draft slots of its ancestors and itself (a padding copy sees its original's ancestors)."""
+        rows, cols = [], []
+        for j, node in enumerate(frontier):
+            cols.append(base + j)
+            rows.append(j)
+            node = tree.parents[node]
+            while node > 0:
+                rows.append(j)
+                cols.append(self.draft_slot[node])
+                node = tree.parents[node]
+        mask = torch.zeros(len(frontier), self.draft_model.max_seq_length, dtype=torch.bool)
+        mask[:, : pos + 1] = True
+        mask[rows, cols] = True
+        return mask.view(1, 1, *mask.shape).to(self.draft_model.tok_embeddings.weight.device)
+
     def choose_children(self, logits: Tensor, sampling: Sampling):
-        """Chain: [(token, proposal distribution or None for a point mass, score)]."""
-        if sampling.temperature == 0:  # greedy: the argmax, a point-mass proposal
-            return [(int(logits.argmax()), None, 0.0)]
+        """Chain at temperature > 0: [(token sampled from q, q, score)]."""
         token, q = sample(logits.view(1, -1), sampling)
         return [(int(token[0]), q[0], 0.0)]
 

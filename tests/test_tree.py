@@ -122,13 +122,12 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     prompt = [1, 17, 33, 250, 7, 90]
     speculator.start(torch.tensor(prompt), 64)
     calls = []  # (token ids, logits) of every draft forward
-    forward = speculator.engine.forward
 
-    def recorded(*args):
-        calls.append((args[0], forward(*args)))
-        return calls[-1][1]
+    def recorded(model, x, input_pos, slots, mask, width):
+        calls.append((x, model(x, input_pos, slots, mask)))
+        return speculate.greedy_candidates(calls[-1][1][0], width)
 
-    speculator.engine.forward = recorded
+    speculator.candidates = recorded
     pos, root = len(prompt), 42
     tree = speculator.draft(root, pos, 3, prompt + [root], Sampling())
     # a depth-2 node the draft read (it expanded it), or a depth-3 node it drafted but never read
