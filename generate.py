@@ -232,7 +232,8 @@ def parse_args(argv=None):
     p.add_argument("--tree_nodes", type=int, default=None,
                    help="draft tokens verified per target forward; equal to speculate_k means a chain")
     p.add_argument("--draft_ngram", type=int, default=0, metavar="N",
-                   help="draft-free drafting from an N-gram trie of the prompt and output (e.g. 3)")
+                   help="draft from an N-gram trie of the prompt and output (e.g. 3): alone, or with a draft model "
+                        "and --tree_nodes, merged into the draft's tree")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compile_prefill", action="store_true")

@@ -246,10 +246,13 @@ class AcceptanceTable:
     PRIOR_WEIGHT = 4.0  # w: the prior counts as this many observations
     DECAY = 0.98  # per verification step
 
+    LOOKUP_PRIOR = 0.5  # prior of a looked-up child: this times the share of the lookups that continue with it
+
     def __init__(self, width: int):
         self.cells_per_rank = (len(self.LOG_Q_EDGES) + 1) * (len(self.PRIOR_EDGES) + 1)
-        self.reached = [0.0] * (width * self.cells_per_rank)
-        self.accepted = [0.0] * (width * self.cells_per_rank)
+        self.lookup_cells = width * self.cells_per_rank  # then one cell per PRIOR_EDGES bucket
+        self.reached = [0.0] * (self.lookup_cells + len(self.PRIOR_EDGES) + 1)
+        self.accepted = [0.0] * len(self.reached)
 
     def children(self, logits: Tensor, sampling: Sampling, width: int) -> list:
         """The `width` most probable children of each row of logits [rows, V], chosen deterministically:
@@ -276,6 +279,13 @@ class AcceptanceTable:
             rows.append(row)
         return rows
 
+    def lookup(self, share: float):
+        """(log-estimate, cell) of a child that continues `share` of the n-gram lookup's occurrences."""
+        prior = self.LOOKUP_PRIOR * share
+        cell = self.lookup_cells + bisect.bisect(self.PRIOR_EDGES, prior)
+        estimate = (self.accepted[cell] + self.PRIOR_WEIGHT * prior) / (self.reached[cell] + self.PRIOR_WEIGHT)
+        return math.log(min(max(estimate, 1e-12), 1.0)), cell
+
     def observe(self, tree: Tree, cells: list, path: list):
         """The verifier reached the root and every accepted node, and accepted the nodes on the path."""
         kids, on_path = tree.children(), set(path)
@@ -295,14 +305,16 @@ class DraftModelSpeculator(TreeSpeculator):
     child is *sampled* from the draft's warped distribution, which is then the q of verify()."""
     kind = "draft"
 
-    def __init__(self, draft_model, depth: int, tree_nodes: int, auto_depth: bool = False):
+    def __init__(self, draft_model, depth: int, tree_nodes: int, auto_depth: bool = False, ngram: int = 0):
         super().__init__(depth, tree_nodes, auto_depth)
         self.draft_model = draft_model
+        self.lookup = Lookup(ngram) if ngram else None  # n-gram branches merged into the draft's tree
         self.kind = "draft" if tree_nodes == depth else "tree"  # stats: a chain, or token-tree verification
         self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth) + 1))
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         self.engine = Engine(draft_model)
         self.candidates = draft_candidates
+        self.write_cache = draft_model
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
 
     def compile(self, device):
@@ -310,6 +322,7 @@ class DraftModelSpeculator(TreeSpeculator):
         self.engine = compile_engine(self.draft_model, device, compile_prefill=True)
         mode = "reduce-overhead" if device.startswith("cuda") else None
         self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
+        self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
 
     def start(self, prompt: Tensor, max_seq_length: int):
         self.draft_model.setup_caches(1, max_seq_length)
@@ -318,10 +331,23 @@ class DraftModelSpeculator(TreeSpeculator):
             self.engine.prefill(self.draft_model, prompt.view(1, -1), input_pos, Sampling())
         self.draft_forwards += 1
         self.pending = []  # accepted tokens not yet in the draft's cache (before the root)
+        if self.lookup:
+            self.lookup.start()
+
+    def finish(self, tokens: list):
+        if self.lookup:
+            self.lookup.finish(tokens)
 
     def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
         device = self.draft_model.tok_embeddings.weight.device
         # depth 1: catch up on the pending token (if any) and read the root's distribution
+        if len(self.pending) > 1:  # accepted looked-up tokens: all but the last go in first (any length)
+            start = pos - len(self.pending)
+            x = torch.tensor([self.pending[:-1]], device=device)
+            with sdpa_context():
+                self.write_cache(x, torch.arange(start, pos - 1, device=device).view(1, -1))
+            self.draft_forwards += 1
+            self.pending = self.pending[-1:]
         feed = self.pending + [root]
         x = torch.tensor([feed], device=device)
         input_pos = torch.arange(pos - len(self.pending), pos + 1, device=device).view(1, -1)
@@ -360,7 +386,34 @@ class DraftModelSpeculator(TreeSpeculator):
             x = torch.tensor([[tree.tokens[n] for n in rows]], device=device)
             input_pos = torch.full((1, len(rows)), pos + d, device=device)
             children = self.read(x, input_pos, slots, mask, sampling)[:len(frontier)]
+        if self.lookup:
+            self.merge(tree, scores, self.lookup.trie(context, depth))
         return self.select(tree, scores)
+
+    def merge(self, tree: Tree, scores: list, trie: dict):
+        """Merge the n-gram lookup's trie into the draft's tree (SpecInfer, Miao et al. 2023, merges the
+        token trees of several speculators into one): a looked-up child the draft also proposed keeps its
+        node, with the better score; the others become new nodes, scored by the table's lookup cells."""
+        child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p >= 0}
+        stack = [(0, trie)]
+        while stack:
+            parent, level = stack.pop()
+            total = sum(count for count, _ in level.values())
+            for token, (count, below) in level.items():
+                score, cell = self.table.lookup(count / total)
+                node = child.get((parent, token))
+                if node is None:
+                    node = len(tree.tokens)
+                    tree.tokens.append(token)
+                    tree.parents.append(parent)
+                    tree.depths.append(tree.depths[parent] + 1)
+                    tree.proposals.append(None)
+                    self.cells.append(cell)
+                    scores.append(scores[parent] + score)
+                else:
+                    scores[node] = max(scores[node], scores[parent] + score)
+                if below:
+                    stack.append((node, below))
 
     def read(self, x: Tensor, input_pos: Tensor, slots, mask, sampling: Sampling) -> list:
         """One draft forward; the children of each row of x: [[(token, proposal or None, score, cell)]]."""
@@ -426,38 +479,63 @@ class DraftModelSpeculator(TreeSpeculator):
         move_cache_slots(self.draft_model, [self.kept_draft_slot[n] for n in fed],
                          list(range(pos + 1, pos + 1 + len(fed))))
         self.pending = [tree.tokens[n] for n in path[len(fed):]]
-        assert len(self.pending) <= 1
+
+
+class Lookup:
+    """Draft-free drafting (Lookahead, Zhao et al. 2023): continuations of the current suffix found
+    earlier in the context (prompt and output) and in the earlier samples of the run, merged into a trie.
+    Every 1..n-1-gram's occurrences are indexed as the text grows, so a lookup scans nothing."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.in_samples = {}  # gram (tuple) -> [(an earlier sample's ids, index just after the gram)]
+        self.start()
+
+    def start(self):
+        """A new generation: forget the previous context (its sample stays, through finish())."""
+        self.context, self.in_context = [], {}
+
+    def index(self, where: dict, text: list, start: int):
+        for end in range(start + 1, len(text) + 1):
+            for size in range(1, min(self.n - 1, end) + 1):
+                where.setdefault(tuple(text[end - size:end]), []).append((text, end))
+
+    def finish(self, tokens: list):
+        self.index(self.in_samples, list(tokens), 0)
+
+    def trie(self, context: list, depth: int) -> dict:
+        """token -> [count, subtrie]: up to `depth` tokens after each occurrence of the longest suffix of
+        context (n - 1 tokens, backing off to shorter ones) that occurred before."""
+        grown = len(self.context)
+        self.context.extend(context[grown:])
+        self.index(self.in_context, self.context, grown)
+        for size in range(min(self.n - 1, len(context)), 0, -1):
+            gram = tuple(context[-size:])
+            trie = {}
+            for text, end in self.in_context.get(gram, []) + self.in_samples.get(gram, []):
+                node = trie
+                for t in text[end:end + depth]:
+                    entry = node.setdefault(t, [0, {}])
+                    entry[0] += 1
+                    node = entry[1]
+            if trie:
+                return trie
+        return {}
 
 
 class NgramSpeculator(TreeSpeculator):
-    """Draft-free drafting (Lookahead, Zhao et al. 2023): continuations of the current suffix found
-    earlier in the prompt and output (kept across the samples of one run) are merged into a trie;
-    its most frequent branches become the tree. Children are chosen deterministically."""
+    """The lookup trie's most frequent branches become the tree. Children are chosen deterministically."""
     kind = "ngram"
 
     def __init__(self, n: int, depth: int, tree_nodes: int):
         super().__init__(depth, tree_nodes)
-        self.n = n
-        self.corpus = []  # earlier samples' ids, searched along with the current context
+        self.lookup = Lookup(n)
+
+    def start(self, prompt: Tensor, max_seq_length: int):
+        self.lookup.start()
 
     def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
-        trie = {}  # token -> [count, subtrie]
-        for size in range(self.n - 1, 0, -1):  # back off from the longest suffix that occurs
-            suffix = context[-size:]
-            found = 0
-            for text in (context, *self.corpus):
-                limit = len(text) - size if text is context else len(text) - size + 1
-                for i in range(limit):
-                    if text[i:i + size] == suffix:
-                        node = trie
-                        for t in text[i + size:i + size + depth]:
-                            entry = node.setdefault(t, [0, {}])
-                            entry[0] += 1
-                            node = entry[1]
-                        found += 1
-            if found:
-                break
-        return self.best_first(root, trie)
+        return self.best_first(root, self.lookup.trie(context, depth))
 
     def best_first(self, root: int, trie: dict) -> Tree:
         tree = Tree([root], [-1], [0], [None])
@@ -474,7 +552,7 @@ class NgramSpeculator(TreeSpeculator):
         return tree
 
     def finish(self, tokens: list):
-        self.corpus.append(tokens)
+        self.lookup.finish(tokens)
 
 
 def check_same_vocabulary(target, draft, tokenizer, args):
@@ -495,8 +573,6 @@ def check_same_vocabulary(target, draft, tokenizer, args):
 def make_drafter(args, draft_model, device) -> Optional[TreeSpeculator]:
     auto = args.speculate_k == "auto"
     depth = 8 if auto else int(args.speculate_k)
-    if args.draft_ngram and draft_model is not None:
-        raise UserError("--draft_ngram drafts without a model: drop --draft_checkpoint_path or --draft_ngram")
     if draft_model is None and not args.draft_ngram:
         if args.tree_nodes is not None:
             raise UserError("--tree_nodes needs a draft: add --draft_checkpoint_path or --draft_ngram N")
@@ -506,11 +582,14 @@ def make_drafter(args, draft_model, device) -> Optional[TreeSpeculator]:
         raise UserError(f"--tree_nodes ({nodes}) must be >= --speculate_k ({depth}): a tree holds at least one chain")
     if auto and nodes != depth:
         raise UserError("--speculate_k auto adapts a chain: drop --tree_nodes")
-    if args.draft_ngram:
-        if args.draft_ngram < 2:
-            raise UserError("--draft_ngram N needs N >= 2 (N - 1 tokens of context find the continuation)")
+    if args.draft_ngram and args.draft_ngram < 2:
+        raise UserError("--draft_ngram N needs N >= 2 (N - 1 tokens of context find the continuation)")
+    if args.draft_ngram and draft_model is None:
         return NgramSpeculator(args.draft_ngram, depth, nodes)
-    return DraftModelSpeculator(draft_model, depth, nodes, auto)
+    if args.draft_ngram and nodes == depth:
+        raise UserError("--draft_ngram with a draft model merges lookups into the draft's tree: "
+                        "add --tree_nodes N > --speculate_k")
+    return DraftModelSpeculator(draft_model, depth, nodes, auto, args.draft_ngram or 0)
 
 
 def format_stats(stats: dict) -> str:

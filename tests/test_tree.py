@@ -149,6 +149,41 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
         torch.testing.assert_close(logits, full_forward(fresh, sequence + [root, token])[-1], rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
+    """A merged tree (draft + n-gram lookup): when the verifier accepts a looked-up branch the draft
+    never read, the draft reads all of it before the next root, and its logits then equal a fresh
+    model's on the prefix and the accepted branch read as one sequence."""
+    draft, fresh = generate.load_model(random_draft), generate.load_model(random_draft)
+    fresh.setup_caches(1, 64)
+    speculator = speculate.DraftModelSpeculator(draft, 3, 16, ngram=2)
+    prompt = [1, 17, 33, 250, 42, 5, 6, 7, 90, 11]
+    speculator.start(torch.tensor(prompt), 64)
+    pos, root = len(prompt), 42  # the lookup proposes 5, 6, 7: what followed 42 before
+    tree = speculator.draft(root, pos, 3, prompt + [root], Sampling())
+    path, node = [], 0
+    for token in (5, 6, 7):
+        node = next(c for c in tree.children()[node] if tree.tokens[c] == token)
+        path.append(node)
+    assert not any(n in speculator.kept_draft_slot for n in path)  # only the lookup proposed them
+    speculator.accepted(path, tree, pos)
+    assert speculator.pending == [5, 6, 7]
+    reads = []
+
+    def recorded(model, x, input_pos, slots, mask, width):
+        reads.append((x, model(x, input_pos, slots, mask)))
+        return speculate.greedy_candidates(reads[-1][1][0], width)
+
+    speculator.candidates = recorded
+    sequence, root = prompt + [42, 5, 6, 7], 99
+    forwards = speculator.draft_forwards
+    speculator.draft(root, len(sequence), 3, sequence + [root], Sampling())
+    assert speculator.draft_forwards == forwards + 1 + 3  # the looked-up tokens, then root and two depths
+    fed, logits = reads[0]
+    assert fed.tolist() == [[7, root]]
+    torch.testing.assert_close(logits[0], full_forward(fresh, sequence + [root])[-2:], rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- greedy: token identity
 
 @pytest.mark.parametrize("draft,k,nodes", [("near", 4, 10), ("near", 3, 16), ("near", 2, 5), ("near", 8, 24),
@@ -182,6 +217,22 @@ def test_greedy_tree_stops_exactly(random_target, near_draft, tmp_path):
 
 
 REPEATING = "def f(x):\n    return x\n\n" * 3 + "def f("
+
+
+@pytest.mark.parametrize("draft,k,nodes,prompt", [("trained", 4, 10, PROMPTS[0]), ("random", 5, 16, REPEATING),
+                                                  ("near", 3, 9, REPEATING)])
+def test_greedy_merged_tree_identical_to_plain_decoding(random_target, near_draft, random_draft, trained_pair,
+                                                        draft, k, nodes, prompt):
+    """The draft model's tree with the n-gram lookup's branches merged in gives the plain greedy tokens."""
+    if draft == "trained":
+        target, path = trained_pair / "target/model.pth", trained_pair / "draft/model.pth"
+    else:
+        target, path = random_target, {"near": near_draft, "random": random_draft}[draft]
+    stats = speculative(target, path, k, "--tree_nodes", nodes, "--draft_ngram", 3, "--ignore_eos", prompt=prompt, n=40)
+    assert tokens(stats) == plain_greedy(target, prompt, 40)
+    assert stats["speculative"] == "tree" and stats["tree_nodes"] == nodes
+    steps = sum(stats["accept_counts"])
+    assert stats["draft_forwards"] >= 1 + k * steps
 
 
 def test_acceptance_table_learns_which_children_the_verifier_accepts():
