@@ -253,6 +253,7 @@ class AcceptanceTable:
         self.lookup_cells = width * self.cells_per_rank  # then one cell per PRIOR_EDGES bucket
         self.reached = [0.0] * (self.lookup_cells + len(self.PRIOR_EDGES) + 1)
         self.accepted = [0.0] * len(self.reached)
+        self.unit = 1.0  # what one observation counts now (counts are in units of the latest step's)
 
     def children(self, logits: Tensor, sampling: Sampling, width: int) -> list:
         """The `width` most probable children of each row of logits [rows, V], chosen deterministically:
@@ -274,7 +275,7 @@ class AcceptanceTable:
                     continue
                 cell = (rank * (len(self.LOG_Q_EDGES) + 1) + bisect.bisect(self.LOG_Q_EDGES, lq)) \
                     * (len(self.PRIOR_EDGES) + 1) + bisect.bisect(self.PRIOR_EDGES, prior)
-                estimate = (self.accepted[cell] + self.PRIOR_WEIGHT * prior) / (self.reached[cell] + self.PRIOR_WEIGHT)
+                estimate = self.estimate(cell, prior)
                 row.append((token, math.log(min(max(estimate, 1e-12), 1.0)), cell))
             rows.append(row)
         return rows
@@ -283,18 +284,24 @@ class AcceptanceTable:
         """(log-estimate, cell) of a child that continues `share` of the n-gram lookup's occurrences."""
         prior = self.LOOKUP_PRIOR * share
         cell = self.lookup_cells + bisect.bisect(self.PRIOR_EDGES, prior)
-        estimate = (self.accepted[cell] + self.PRIOR_WEIGHT * prior) / (self.reached[cell] + self.PRIOR_WEIGHT)
-        return math.log(min(max(estimate, 1e-12), 1.0)), cell
+        return math.log(min(max(self.estimate(cell, prior), 1e-12), 1.0)), cell
+
+    def estimate(self, cell: int, prior: float) -> float:
+        weight = self.PRIOR_WEIGHT * self.unit
+        return (self.accepted[cell] + weight * prior) / (self.reached[cell] + weight)
 
     def observe(self, tree: Tree, cells: list, path: list):
         """The verifier reached the root and every accepted node, and accepted the nodes on the path."""
         kids, on_path = tree.children(), set(path)
-        self.reached = [n * self.DECAY for n in self.reached]
-        self.accepted = [n * self.DECAY for n in self.accepted]
+        self.unit /= self.DECAY  # decaying every count = counting new observations as more units
+        if self.unit > 1e100:
+            self.reached = [n / self.unit for n in self.reached]
+            self.accepted = [n / self.unit for n in self.accepted]
+            self.unit = 1.0
         for node in [0] + path:
             for child in kids[node]:
-                self.reached[cells[child]] += 1
-                self.accepted[cells[child]] += child in on_path
+                self.reached[cells[child]] += self.unit
+                self.accepted[cells[child]] += self.unit if child in on_path else 0.0
 
 
 class DraftModelSpeculator(TreeSpeculator):
@@ -310,7 +317,7 @@ class DraftModelSpeculator(TreeSpeculator):
         self.draft_model = draft_model
         self.lookup = Lookup(ngram) if ngram else None  # n-gram branches merged into the draft's tree
         self.kind = "draft" if tree_nodes == depth else "tree"  # stats: a chain, or token-tree verification
-        self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth) + 1))
+        self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth)))
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         self.engine = Engine(draft_model)
         self.candidates = draft_candidates

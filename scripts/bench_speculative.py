@@ -1,12 +1,15 @@
 """Speculative, tree and n-gram decoding against our plain decode and transformers (plain and assisted
 generation), in one process run, on the tiny pair from scripts/train_tiny.py.
 
-    python scripts/bench_speculative.py                      # greedy and T=0.7, compiled
-    python scripts/bench_speculative.py --json bench_results/speculative.json --new_tokens 256
+    python scripts/bench_speculative.py                      # greedy and T=0.7, compiled, fp32
+    python scripts/bench_speculative.py --precision bf16 --json bench_results/speculative_bf16.json
 
 Prompts: the opening lines of held-out standard-library files (OUT/heldout_files.txt, never trained on).
 Copy task (for --draft_ngram): a prompt holding a held-out file's text, then its first lines again, so the
 continuation repeats the file, as in code editing or retrieval-grounded answers.
+Configurations: plain decoding, the draft's chain, its tree (--tree_nodes), the tree with the n-gram
+lookup's branches merged in, the adaptive chain, an int8 draft's chain, and the n-gram tree alone; their
+runs take turns (benchlib.time_interleaved) so that a machine slowing down hurts them alike.
 Per configuration: tokens/s over all prompts (best of --repeats each), speedup over our plain decode,
 acceptance figures, and for draft-model chains Leviathan et al.'s predicted speedup
 (1 - a^(K+1)) / ((1 - a)(Kc + 1)), with a the per-token acceptance solved from the measured tokens per
@@ -61,16 +64,6 @@ def leviathan(tokens_per_forward: float, k: int, c: float):
     return a, tokens_per_forward / (k * c + 1)
 
 
-def run_ours(engine, drafter, prompts, args, sampling):
-    total_tokens, total_seconds, runs = 0, 0.0, []
-    for prompt in prompts:
-        tps, tokens, stats = benchlib.time_ours(engine, prompt, args.new_tokens, sampling, drafter, args.repeats)
-        total_tokens += len(tokens)
-        total_seconds += len(tokens) / tps
-        runs.append((tokens, stats))
-    return total_tokens / total_seconds, runs
-
-
 def merge_stats(runs) -> dict:
     stats = [s for _, s in runs]
     if not stats or "accept_counts" not in stats[0]:
@@ -107,6 +100,7 @@ def main(argv=None):
     p.add_argument("--ngram_nodes", type=int, default=16)
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--precision", choices=list(generate.PRECISIONS), default="fp32", help="of target and draft")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
@@ -120,8 +114,9 @@ def main(argv=None):
         if not path.is_file():
             sys.exit(f"error: {path} not found: train the pair with python scripts/train_tiny.py --out_dir {args.pair}")
 
-    target = generate.load_model(target_pth)
-    draft = generate.load_model(draft_pth)
+    precision = generate.PRECISIONS[args.precision]
+    target = generate.load_model(target_pth, precision=precision)
+    draft = generate.load_model(draft_pth, precision=precision)
     tokenizer = get_tokenizer(args.pair / "target")
     files, code_prompts, copy_prompts = load_prompts(args.pair, tokenizer, args.prompts, args.prompt_tokens,
                                                      args.copy_tokens, target.args.bos_token_id or 1)
@@ -129,43 +124,52 @@ def main(argv=None):
     engine = generate.compile_engine(target, "cpu", False) if compile_ else generate.Engine(target)
     draft_engine = generate.compile_engine(draft, "cpu", False) if compile_ else generate.Engine(draft)
 
-    int8_draft = generate.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"))
+    int8_draft = generate.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"), precision=precision)
 
     rows = []
     greedy = generate.Sampling(0.0)
-    plain_tps, plain_runs = run_ours(engine, None, code_prompts, args, greedy)
-    draft_tps, _ = run_ours(draft_engine, None, code_prompts, args, greedy)
+    speeds = benchlib.time_interleaved(engine, {"target": None}, code_prompts, args.new_tokens, greedy, args.repeats)
+    speeds.update(benchlib.time_interleaved(draft_engine, {"draft": None}, code_prompts, args.new_tokens, greedy,
+                                            args.repeats))
+    plain_tps, draft_tps = speeds["target"][0], speeds["draft"][0]
     cost = plain_tps / draft_tps  # c: one draft forward / one target forward, from their plain decodes
     print(f"plain decode: target {plain_tps:.1f} tok/s, draft {draft_tps:.1f} tok/s (c = {cost:.3f})", flush=True)
     hf_target = hf_draft = None
     if not args.no_transformers:
-        hf_target, hf_draft = benchlib.hf_model(args.pair / "target"), benchlib.hf_model(args.pair / "draft")
+        hf_target, hf_draft = (benchlib.hf_model(args.pair / name, dtype=precision) for name in ("target", "draft"))
 
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
+    def measure(task, temperature, prompts, configs):
+        """configs: name -> (draft model or None, K, tree nodes or None, n-gram n or 0); plus plain decoding."""
         sampling = generate.Sampling(temperature)
-        task = "code"
-        if temperature == 0:
-            base_tps, base_runs = plain_tps, plain_runs
-        else:
-            base_tps, base_runs = run_ours(engine, None, code_prompts, args, sampling)
+        drafters = {"plain": None}
+        drafters.update({name: drafter_for(model, k, nodes, ngram, compile_) for name, (model, k, nodes, ngram)
+                         in configs.items()})
+        results = benchlib.time_interleaved(engine, drafters, prompts, args.new_tokens, sampling, args.repeats)
+        base_tps, base_runs = results["plain"]
         rows.append({"task": task, "temperature": temperature, "impl": "ours", "config": "plain",
                      "tokens_per_sec": base_tps, "speedup": 1.0})
-        configs = [("chain", draft, args.k, None), (f"tree N={args.tree_nodes}", draft, args.k, args.tree_nodes),
-                   ("chain auto", draft, "auto", None), ("chain, int8 draft", int8_draft, args.k, None)]
-        for name, model, k, nodes in configs:
-            drafter = drafter_for(model, k, nodes, compile_=compile_)
-            tps, runs = run_ours(engine, drafter, code_prompts, args, sampling)
-            row = {"task": task, "temperature": temperature, "impl": "ours", "config": f"{name} K={k}",
+        for name, (model, k, nodes, ngram) in configs.items():
+            tps, runs = results[name]
+            row = {"task": task, "temperature": temperature, "impl": "ours", "config": name,
                    "tokens_per_sec": tps, "speedup": tps / base_tps, **merge_stats(runs)}
             if temperature == 0:
                 row["same_as_plain"] = all(a == b for (a, _), (b, _) in zip(runs, base_runs))
-            if name == "chain" and model is draft:
+            if name == f"chain K={k}" and isinstance(k, int) and model is draft:
                 row["alpha"], row["predicted_speedup"] = leviathan(row["tokens_per_target_forward"], k, cost)
                 row["c"] = cost
                 row["efficiency"] = row["speedup"] / row["predicted_speedup"]
             rows.append(row)
-            print(f"  T={temperature} {row['config']}: {tps:.1f} tok/s, x{row['speedup']:.2f}, "
+            print(f"  {task} T={temperature} {name}: {tps:.1f} tok/s, x{row['speedup']:.2f}, "
                   f"{row['tokens_per_target_forward']:.2f} tokens/target forward", flush=True)
+        return base_tps
+
+    k, nodes, n = args.k, args.tree_nodes, args.ngram
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        configs = {f"chain K={k}": (draft, k, None, 0), f"tree N={nodes} K={k}": (draft, k, nodes, 0),
+                   f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n),
+                   "chain K=auto": (draft, "auto", None, 0), f"chain K={k}, int8 draft": (int8_draft, k, None, 0),
+                   f"{n}-gram tree N={nodes} K={k} (no draft)": (None, k, nodes, n)}
+        base_tps = measure("code", temperature, code_prompts, configs)
         if hf_target is not None:
             hf_kwargs = {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
             for name, assistant in (("transformers", None), ("transformers assisted", hf_draft)):
@@ -175,24 +179,16 @@ def main(argv=None):
                                                       args.repeats, **hf_kwargs)
                     tps += 1 / t
                 tps = len(code_prompts) / tps
-                rows.append({"task": task, "temperature": temperature, "impl": "transformers", "config": name,
+                rows.append({"task": "code", "temperature": temperature, "impl": "transformers", "config": name,
                              "tokens_per_sec": tps, "speedup": tps / base_tps})
-                print(f"  T={temperature} {name}: {tps:.1f} tok/s", flush=True)
+                print(f"  code T={temperature} {name}: {tps:.1f} tok/s", flush=True)
 
-    # copy task: draft-free n-gram drafting vs plain (and the draft model chain, for reference)
-    copy_plain, copy_runs = run_ours(engine, None, copy_prompts, args, greedy)
-    rows.append({"task": "copy", "temperature": 0.0, "impl": "ours", "config": "plain",
-                 "tokens_per_sec": copy_plain, "speedup": 1.0})
-    for name, model, k, nodes, ngram in (
-            (f"ngram n={args.ngram} N={args.ngram_nodes}", None, args.ngram_k, args.ngram_nodes, args.ngram),
-            (f"ngram chain n={args.ngram}", None, args.ngram_k, None, args.ngram),
-            ("chain", draft, args.k, None, 0)):
-        drafter = drafter_for(model, k, nodes, ngram, compile_=compile_)
-        tps, runs = run_ours(engine, drafter, copy_prompts, args, greedy)
-        rows.append({"task": "copy", "temperature": 0.0, "impl": "ours", "config": f"{name} K={k}",
-                     "tokens_per_sec": tps, "speedup": tps / copy_plain, **merge_stats(runs),
-                     "same_as_plain": all(a == b for (a, _), (b, _) in zip(runs, copy_runs))})
-        print(f"  copy {name} K={k}: {tps:.1f} tok/s, x{tps / copy_plain:.2f}", flush=True)
+    # copy task: draft-free n-gram drafting vs plain (and the draft model's chain and merged tree, for reference)
+    measure("copy", 0.0, copy_prompts, {
+        f"{n}-gram tree N={args.ngram_nodes} K={args.ngram_k}": (None, args.ngram_k, args.ngram_nodes, n),
+        f"{n}-gram chain K={args.ngram_k}": (None, args.ngram_k, None, n),
+        f"chain K={k}": (draft, k, None, 0),
+        f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n)})
 
     columns = ["task", "temperature", "impl", "config", "tokens_per_sec", "speedup", "tokens_per_target_forward",
                "mean_accepted", "acceptance_rate", "alpha", "c", "predicted_speedup", "efficiency", "same_as_plain"]

@@ -91,6 +91,31 @@ def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, drafter=None,
     return len(out["tokens"][0]) / seconds, out["tokens"][0], out["stats"]
 
 
+def time_interleaved(engine, drafters: dict, prompts: list, new_tokens: int, sampling, repeats: int = 3,
+                     device="cpu") -> dict:
+    """time_ours() for several configurations (name -> drafter, None for plain decoding), taking turns
+    run by run so that a machine slowing down for a while hurts them alike.
+    Returns name -> (tokens/s over all prompts, [(tokens, stats) of the last run, per prompt])."""
+    seconds = {name: [float("inf")] * len(prompts) for name in drafters}
+    last = {name: [None] * len(prompts) for name in drafters}
+    for i, ids in enumerate(prompts):
+        prompt = torch.tensor(ids, device=device)
+        for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
+            for name, drafter in drafters.items():
+                if drafter is not None:
+                    drafter.reset_stats()
+                torch.manual_seed(0)
+                start = time.perf_counter()
+                tokens, stats = generate.generate(engine, prompt, new_tokens, sampling, eos_ids=[], stop_at_eos=False,
+                                                  drafter=drafter)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                if turn:
+                    seconds[name][i] = min(seconds[name][i], time.perf_counter() - start)
+                last[name][i] = ([int(t) for t in tokens[0]], stats)
+    return {name: (sum(len(t) for t, _ in last[name]) / sum(seconds[name]), last[name]) for name in drafters}
+
+
 def quantized_checkpoint(model_pth: Path, mode: str, groupsize: int = 32) -> Path:
     """quantize.py's file beside model_pth, written by the CLI exactly as a user does, if not there yet."""
     name = "model_int8.pth" if mode == "int8" else f"model_int4.g{groupsize}.pth"

@@ -110,7 +110,7 @@ def test_target_cache_after_compaction_equals_fresh_decoding(random_target):
 @pytest.mark.parametrize("last_node_fed", [True, False])
 @torch.no_grad()
 def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_node_fed, monkeypatch):
-    """The draft grows a tree (4 children per expanded node, so an accepted path's keys/values lie at
+    """The draft grows a tree (3 children per expanded node, so an accepted path's keys/values lie at
     scattered slots); after a path is accepted its cache is compacted, and a last accepted node the draft
     never read is fed with the next root. The next step's draft logits equal a fresh model's on the prefix
     and the accepted path read as one sequence."""
@@ -118,7 +118,7 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     fresh.setup_caches(1, 64)
     monkeypatch.setattr(speculate, "GREEDY_RANK_TEMPERATURE", 0.05)  # a random draft is flat: rank deep nodes high
     speculator = speculate.DraftModelSpeculator(draft, 3, 9)
-    assert speculator.width == 4
+    assert speculator.width == 3
     prompt = [1, 17, 33, 250, 7, 90]
     speculator.start(torch.tensor(prompt), 64)
     calls = []  # (token ids, logits) of every draft forward
@@ -281,7 +281,7 @@ TREE_CASES = {  # name: (sampling, broken residual or None)
 
 @pytest.mark.parametrize("case", TREE_CASES)
 def test_tree_sampling_is_lossless(case, monkeypatch):
-    """The chi-square test of test_speculative.py with a depth-2 tree of 4 nodes (3 candidates per
+    """The chi-square test of test_speculative.py with a depth-2 tree of 6 nodes (3 candidates per
     expanded node, verified one after another against the residual) instead of a chain."""
     sampling, broken = TREE_CASES[case]
     seen = {"most root children": 0, "later sibling accepted": 0}
@@ -297,7 +297,7 @@ def test_tree_sampling_is_lossless(case, monkeypatch):
     monkeypatch.setattr(speculate, "verify", watched_verify)
     if broken is not None:
         monkeypatch.setattr(speculate, "residual", broken)
-    pvalues, accept_counts = lossless_pvalues(4, sampling)
+    pvalues, accept_counts = lossless_pvalues(6, sampling)
     if broken is None:
         assert min(pvalues.values()) > REJECT_BELOW, pvalues
         assert seen["most root children"] >= 3 and seen["later sibling accepted"] > 0.05 * DRAWS, seen
