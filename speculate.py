@@ -8,6 +8,7 @@ with one child per node; the n-gram drafter feeds the same verifier.
 """
 import bisect
 import math
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -591,6 +592,10 @@ def make_drafter(args, draft_model, device) -> Optional[TreeSpeculator]:
         raise UserError("--speculate_k auto adapts a chain: drop --tree_nodes")
     if args.draft_ngram and args.draft_ngram < 2:
         raise UserError("--draft_ngram N needs N >= 2 (N - 1 tokens of context find the continuation)")
+    if nodes > depth and getattr(args, "temperature", 0) > 0:
+        print("note: at --temperature > 0 a tree's extra children are deterministic picks, which usually accept "
+              "less than a chain's sampled drafts; for sampling, --tree_nodes equal to --speculate_k is faster",
+              file=sys.stderr)
     if args.draft_ngram and draft_model is None:
         return NgramSpeculator(args.draft_ngram, depth, nodes)
     if args.draft_ngram and nodes == depth:

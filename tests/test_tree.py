@@ -304,3 +304,13 @@ def test_tree_sampling_is_lossless(case, monkeypatch):
         assert accept_counts[0] > 0 and accept_counts[2] > 0
     else:
         assert min(pvalues.values()) < REJECT_BELOW, pvalues
+
+
+def test_tree_at_temperature_above_zero_advises_a_chain(random_target, near_draft, capsys):
+    args = ["--checkpoint_path", random_target, "--draft_checkpoint_path", near_draft, "--prompt", PROMPTS[0],
+            "--max_new_tokens", 4, "--num_samples", 1, "--speculate_k", 3]
+    generate.main([*map(str, args), "--tree_nodes", "6", "--temperature", "0.8"])
+    assert "--tree_nodes equal to --speculate_k" in capsys.readouterr().err
+    generate.main([*map(str, args), "--temperature", "0.8"])
+    generate.main([*map(str, args), "--tree_nodes", "6", "--temperature", "0"])
+    assert "--tree_nodes equal to --speculate_k" not in capsys.readouterr().err
