@@ -307,8 +307,9 @@ class AcceptanceTable:
 
 class DraftModelSpeculator(TreeSpeculator):
     """A small draft model grows the tree one depth per forward (EAGLE-2 style dynamic tree):
-    expand the `width` most probable nodes of the newest depth, give each its `width` most probable
-    children, and keep the tree_nodes best nodes overall by cumulative draft log-probability.
+    expand the `width` best-scored nodes of the newest depth, give each its `width` most probable
+    children, and keep the tree_nodes best nodes overall, a node's score being the acceptance table's
+    log-estimate summed along its path (with --draft_ngram, the lookup's branches are merged in first).
     With width 1 (tree_nodes == depth) this is the classic chain, and at temperature > 0 each
     child is *sampled* from the draft's warped distribution, which is then the q of verify()."""
     kind = "draft"
@@ -432,12 +433,12 @@ class DraftModelSpeculator(TreeSpeculator):
                 if self.width == 1:  # chain: the argmax, a point-mass proposal
                     return [[(token, None, 0.0, None)] for token in tokens[:, 0].tolist()]
                 rows = self.table.rank(tokens.tolist(), log_q.tolist(), log_prior.tolist())
-                return [[(token, None, score, cell) for token, score, cell in row] for row in rows]
-            logits = self.engine.forward(x, input_pos, slots, mask)[0]
-        if self.width == 1:
-            return [[(*child, None) for child in self.choose_children(row, sampling)] for row in logits]
-        return [[(token, None, score, cell) for token, score, cell in row]
-                for row in self.table.children(logits, sampling, self.width)]
+            else:
+                logits = self.engine.forward(x, input_pos, slots, mask)[0]
+                if self.width == 1:
+                    return [[(*child, None) for child in self.choose_children(row, sampling)] for row in logits]
+                rows = self.table.children(logits, sampling, self.width)
+        return [[(token, None, score, cell) for token, score, cell in row] for row in rows]  # deterministic
 
     def frontier_mask(self, tree: Tree, frontier: list, pos: int, base: int) -> Tensor:
         """[1, 1, width, max_seq_length]: frontier row j (at slot base + j) sees the prefix up to the root and
