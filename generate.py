@@ -1,138 +1,30 @@
-"""Text generation: prefill, one-token decode, speculative / tree / n-gram decoding, sampling, stats.
+"""Generate text with a Llama-family checkpoint: load, check the flags, run the samples, report the stats.
 
     python generate.py --checkpoint_path checkpoints/tiny/target/model.pth --prompt "def main(" --compile
     python generate.py ... --draft_checkpoint_path checkpoints/tiny/draft/model.pth --speculate_k 5
+
+Where a token comes from: generate() prefills the prompt (decode.prefill), then either decodes one
+token per target forward (decode.decode_n_tokens) or, with a drafter, lets speculate.py draft a token
+tree, verify it in one target forward and rewind the KV cache to the accepted path.
 """
 import argparse
 import contextlib
 import functools
 import json
+import math
 import os
+import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from model import ModelArgs, Transformer
+import speculate
+from decode import PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sdpa_context
+from model import ModelArgs, Transformer, UserError, write_atomically
 from tokenizer import get_tokenizer
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class UserError(Exception):
-    """Bad input from the command line; printed as one line, no traceback."""
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0 means exact argmax
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-
-
-# ----------------------------------------------------------------------------- sampling
-
-def logits_to_probs(logits: Tensor, sampling: Sampling) -> Tensor:
-    """The warped distribution actually sampled from: temperature, then top-k, then top-p.
-    Temperature 0 gives the one-hot argmax, so greedy decoding is the same code as sampling."""
-    logits = logits.float()
-    if sampling.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if sampling.top_p is not None and sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= sampling.top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
-    return torch.softmax(logits, dim=-1)
-
-
-def sample_from(probs: Tensor) -> Tensor:
-    # exponential race: argmax(p / E), E ~ Exp(1), draws index i with probability p_i, without a host sync
-    noise = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / noise, dim=-1)
-
-
-def sample(logits: Tensor, sampling: Sampling):
-    probs = logits_to_probs(logits, sampling)
-    return sample_from(probs), probs
-
-
-# ----------------------------------------------------------------------------- plain decoding
-
-def prefill(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling) -> Tensor:
-    """Run the prompt [B, T] through the model, fill the cache, return the first new token [B]."""
-    logits = model(x, input_pos)
-    return sample(logits[:, -1], sampling)[0]
-
-
-def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling):
-    """x, input_pos: [B, 1]; returns the next token [B] and the distribution it came from [B, V]."""
-    logits = model(x, input_pos)
-    return sample(logits[:, -1], sampling)
-
-
-@dataclass
-class Engine:
-    """A model with the callables that run it; compiled ones when asked."""
-    model: Transformer
-    prefill: callable = prefill
-    decode_one_token: callable = decode_one_token
-    forward: callable = None  # multi-token scoring with an explicit mask (speculative verification)
-
-    def __post_init__(self):
-        if self.forward is None:
-            self.forward = self.model
-
-
-def compile_engine(model: Transformer, device: str, compile_prefill: bool) -> Engine:
-    """Decode: one static-shape graph (CUDA graphs on GPU). Prefill: one dynamic-shape graph.
-    On CPU, inductor's freezing (weights folded in as constants) measured fastest; see BENCHMARKS.md."""
-    import torch._inductor.config as inductor_config
-    if device == "cpu":
-        inductor_config.freezing = True
-    inductor_config.coordinate_descent_tuning = device != "cpu"
-    inductor_config.triton.unique_kernel_names = True
-    mode = "reduce-overhead" if device.startswith("cuda") else None
-    engine = Engine(model)
-    engine.decode_one_token = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
-    engine.forward = torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
-    if compile_prefill:
-        engine.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
-    return engine
-
-
-def decode_n_tokens(engine: Engine, token: Tensor, pos: int, n: int, sampling: Sampling,
-                    eos_ids: list, stop_at_eos: bool, callback=None) -> list:
-    """Plain autoregressive decoding of up to n tokens after `token` (already sampled, at position pos)."""
-    batch = token.shape[0]
-    out = []
-    eos = torch.tensor(eos_ids or [-1], device=token.device)
-    for i in range(n):
-        input_pos = torch.full((batch, 1), pos + i, device=token.device, dtype=torch.long)
-        with sdpa_context():
-            token, _ = engine.decode_one_token(engine.model, token.view(batch, 1), input_pos, sampling)
-        token = token.clone()
-        out.append(token)
-        if callback:
-            callback(token)
-        if stop_at_eos and bool(torch.isin(token, eos).all()):
-            break
-    return out
-
-
-def sdpa_context():
-    if torch.cuda.is_available():
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- loading
@@ -147,7 +39,13 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
             "; download and convert one with scripts/prepare.sh ORG/MODEL, or train the tiny pair with scripts/train_tiny.py"
         raise UserError(f"checkpoint not found: {path}{hint}")
     args = ModelArgs.from_checkpoint_dir(path.parent)
-    checkpoint = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
+    try:
+        checkpoint = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated, empty, random bytes, a pickle that needs more than tensors
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read checkpoint {path} ({reason}): re-convert or re-download it") from None
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"{path} does not hold a state dict: re-convert it")
     scheme = checkpoint.get("quantization") if isinstance(checkpoint.get("quantization"), dict) else None
     state_dict = checkpoint["model"] if scheme else checkpoint
     with torch.device("meta"):
@@ -157,7 +55,12 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
         quantize.apply_quantization_scheme(model, scheme)
     if args.tie_word_embeddings and "output.weight" not in state_dict:
         state_dict = dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
-    model.load_state_dict(state_dict, assign=True, strict=True)
+    try:
+        model.load_state_dict(state_dict, assign=True, strict=True)
+    except RuntimeError as e:  # missing/unexpected keys or shapes: the config and the weights disagree
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
+        raise UserError(f"{path} does not match {path.parent / 'config.json'}: {detail}: use the config.json "
+                        f"the checkpoint came with") from None
     if args.tie_word_embeddings and not scheme:
         model.output.weight = model.tok_embeddings.weight
     if shard is not None:
@@ -167,6 +70,7 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
         if tensor.is_floating_point() and tensor.dtype != precision and "scales" not in name:
             tensor.data = tensor.data.to(precision)
     if scheme:
+        import quantize
         quantize.pack_for_device(model)  # int4 on the CPU: the kernel's weight layout, made after sharding
     model.quantization = scheme
     return model.eval().requires_grad_(False)
@@ -174,35 +78,37 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
 
 # ----------------------------------------------------------------------------- one generation
 
+@torch.no_grad()  # also lets inductor freeze the weights into the compiled graphs (decode.compile_engine)
 def generate(target: Engine, prompt: Tensor, max_new_tokens: int, sampling: Sampling, eos_ids: list,
              stop_at_eos: bool = True, batch_size: int = 1, drafter=None, callback=None):
-    """Generate up to max_new_tokens after `prompt` (1-D ids). Returns (new ids [B, n], stats dict).
-    With a drafter (see speculate.py) every step drafts a token tree and the target verifies it in
-    one forward; without one, tokens come one per target forward."""
+    """Generate up to max_new_tokens after `prompt` (1-D ids). Returns (new ids, one list per row; stats).
+    With a drafter (speculate.py) every step drafts a token tree and the target verifies it in one
+    forward; without one, tokens come one per target forward."""
     device = prompt.device
     T = prompt.numel()
     max_seq_length = T + max_new_tokens + (drafter.lookahead if drafter else 0) + 1
     model = target.model
     model.setup_caches(batch_size, max_seq_length)
-    x = prompt.view(1, -1).repeat(batch_size, 1)
-    input_pos = torch.arange(T, device=device).view(1, -1).repeat(batch_size, 1)
+    x = prompt.view(1, -1).repeat(batch_size, 1)  # [B, T]
+    input_pos = torch.arange(T, device=device).view(1, -1).repeat(batch_size, 1)  # [B, T]
     with sdpa_context():
-        first = target.prefill(model, x, input_pos, sampling).clone()
+        first, finite = target.prefill(model, x, input_pos, sampling)
+    if not bool(finite):  # one look at the host per generation: NaN weights would otherwise decode token 0 forever
+        raise UserError("the model's logits for the prompt are NaN or infinite: its weights are broken; "
+                        "re-convert or re-download the checkpoint (or try --precision fp32)")
+    first = first.clone()
     if drafter is not None:
-        tokens, stats = drafter.generate(target, prompt, first, max_new_tokens, sampling, eos_ids, stop_at_eos, callback)
-        return tokens, stats
+        return drafter.generate(target, prompt, first, max_new_tokens, sampling, eos_ids, stop_at_eos, callback)
     if callback:
         callback(first)
     eos = set(eos_ids)
     rest = []
     if max_new_tokens > 1 and not (stop_at_eos and all(t in eos for t in first.tolist())):
         rest = decode_n_tokens(target, first, T, max_new_tokens - 1, sampling, eos_ids, stop_at_eos, callback)
-    tokens = torch.stack([first] + rest, dim=1)
+    rows = torch.stack([first] + rest, dim=1).tolist()  # [B, n]
     if stop_at_eos:
-        tokens = [truncate_at_eos(row, eos) for row in tokens.tolist()]
-    else:
-        tokens = tokens.tolist()
-    return tokens, {"target_forwards": len(rest) + 1}
+        rows = [truncate_at_eos(row, eos) for row in rows]
+    return rows, {"target_forwards": len(rest) + 1}
 
 
 def truncate_at_eos(ids: list, eos: set) -> list:
@@ -218,7 +124,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Low-latency Llama generation (plain, speculative, tree, n-gram)")
     p.add_argument("--prompt", default="Hello, my name is",
                    help="text, or an integer N for a synthetic prompt of N tokens")
-    p.add_argument("--interactive", action="store_true", help="chat in a loop, streaming tokens")
+    p.add_argument("--interactive", action="store_true",
+                   help="chat in a loop in the checkpoint's own chat template, streaming tokens")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template (one user turn)")
     p.add_argument("--num_samples", type=int, default=5)
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--batch_size", type=int, default=1)
@@ -236,7 +144,7 @@ def parse_args(argv=None):
                         "and --tree_nodes, merged into the draft's tree")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--compile_prefill", action="store_true")
+    p.add_argument("--compile_prefill", action="store_true", help="with --compile: a dynamic-shape prefill graph")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="default: bf16 on CUDA, fp32 on CPU (bf16 mat-vec is slower than fp32 on many CPUs)")
@@ -246,6 +154,11 @@ def parse_args(argv=None):
 
 
 def check_args(args):
+    """Flags that cannot work, refused before anything is loaded. Returns the draft depth (int or "auto")."""
+    for name in ("temperature", "top_p"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"--{name} must be a finite number, got {value}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
@@ -256,152 +169,223 @@ def check_args(args):
         raise UserError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if args.num_samples < 1 or args.batch_size < 1:
         raise UserError("--num_samples and --batch_size must be >= 1")
-    if args.speculate_k != "auto":
-        try:
-            k = int(args.speculate_k)
-        except ValueError:
-            raise UserError(f"--speculate_k must be an integer >= 1 or 'auto', got {args.speculate_k!r}")
-        if k < 1:
-            raise UserError(f"--speculate_k must be >= 1 (the number of draft tokens per step), got {k}")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed must be in [0, 2^63), got {args.seed}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError("--prompt is not valid UTF-8 text: pass the prompt in UTF-8") from None
+    if args.compile_prefill and not args.compile:
+        raise UserError("--compile_prefill compiles the prefill beside the decode graph: add --compile")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        raise UserError(f"--device {args.device}: use cpu or cuda (cuda:N)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    for path in (args.stats_json, args.profile):
+        if path is not None:
+            check_output_file(path)
+    if args.speculate_k == "auto":
+        return "auto"
+    try:
+        depth = int(args.speculate_k)
+    except ValueError:
+        raise UserError(f"--speculate_k must be an integer >= 1 or 'auto', got {args.speculate_k!r}") from None
+    if depth < 1:
+        raise UserError(f"--speculate_k must be >= 1 (the number of draft tokens per step), got {depth}")
+    return depth
 
 
-def encode_prompt(args, tokenizer, vocab_size: int, bos_id, device) -> list:
-    if args.prompt.strip().isdigit():
-        n = int(args.prompt)
-        generator = torch.Generator().manual_seed(args.seed)
-        ids = torch.randint(3, vocab_size, (n,), generator=generator).tolist()
-    else:
-        ids = tokenizer.encode(args.prompt)
-    if bos_id is not None:
-        ids = [bos_id] + ids
-    return ids
+def check_output_file(path: Path):
+    """--stats_json / --profile: a new file, or one this program wrote (JSON), in a writable directory.
+    Anything else (a checkpoint, a directory, a device) is refused before the run, not clobbered after it."""
+    flag = f"--stats_json/--profile {path}"
+    if path.is_dir():
+        raise UserError(f"{flag} is a directory: name a file in it")
+    if path.exists():
+        if not path.is_file():
+            raise UserError(f"{flag} exists and is not a regular file: name a new .json file")
+        try:
+            with open(path, "rb") as f:
+                head = f.read(1).strip()
+        except OSError as e:
+            raise UserError(f"{flag} cannot be read ({e.strerror}): name a new .json file") from None
+        if head not in (b"{", b"[", b""):
+            raise UserError(f"{flag} exists and is not a JSON file this program wrote: name a new file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag}: the directory {parent} does not exist: create it first")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{flag}: cannot write in {parent}: pick a writable directory")
+
+
+def encode_prompt(prompt: str, tokenizer, vocab_size: int, seed: int, chat: bool = False) -> list:
+    """The ids the model sees: the tokenizer's own (BOS added exactly as its Hugging Face tokenizer does), the
+    chat template's rendering of one user turn (chat), or for a synthetic prompt "N" the tokenizer's special
+    tokens and N random ids."""
+    if chat:
+        return tokenizer.chat_ids([{"role": "user", "content": prompt}])
+    if prompt.strip().isdigit():
+        n = int(prompt)
+        if n > 10**7:
+            raise UserError(f"--prompt {n}: a synthetic prompt of more than 10^7 tokens fits no model's context")
+        generator = torch.Generator().manual_seed(seed)
+        return tokenizer.encode_prompt("") + torch.randint(3, vocab_size, (n,), generator=generator).tolist()
+    return tokenizer.encode_prompt(prompt)
+
+
+def setup_distributed(device: str):
+    """Tensor parallelism when launched by torchrun with more than one process (see tp.py): every rank runs
+    this program on the same tokens from the same seed; only rank 0 prints and writes files.
+    Returns (rank, world_size, shard function or None)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise UserError(f"WORLD_SIZE={world!r} is not a positive integer: launch with torchrun --nproc_per_node=N")
+    if int(world) == 1:
+        return 0, 1, None
+    import tp
+    rank, world_size = tp.init_distributed(device)
+    return rank, world_size, functools.partial(tp.apply_tp, rank=rank, world_size=world_size)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    check_args(args)
-    import speculate
+    depth = check_args(args)
     torch.manual_seed(args.seed)
     device = args.device
     precision = PRECISIONS[args.precision or ("bf16" if device.startswith("cuda") else "fp32")]
-    # tensor parallelism when launched by torchrun with more than one process (see tp.py): every rank
-    # runs this same program on the same tokens from the same seed; only rank 0 prints and writes files
-    rank, world_size, shard = 0, 1, None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import tp
-        rank, world_size = tp.init_distributed(device)
-        shard = functools.partial(tp.apply_tp, rank=rank, world_size=world_size)
+    rank, world_size, shard = setup_distributed(device)
+    say = print if rank == 0 else (lambda *a, **k: None)
 
     t0 = time.perf_counter()
     model = load_model(args.checkpoint_path, device, precision, shard=shard)
     tokenizer = get_tokenizer(args.checkpoint_path.parent)
+    if tokenizer.vocab_size > model.args.vocab_size:
+        raise UserError(f"the tokenizer beside {args.checkpoint_path} has {tokenizer.vocab_size} tokens, more than the "
+                        f"model's {model.args.vocab_size}: use the tokenizer the checkpoint came with")
     draft_model = None
     if args.draft_checkpoint_path is not None:  # the draft is small: replicated on every rank (see tp.py)
         draft_model = load_model(args.draft_checkpoint_path, device, precision)
-        speculate.check_same_vocabulary(model, draft_model, tokenizer, args)
+        if not speculate.same_vocabulary(tokenizer, get_tokenizer(args.draft_checkpoint_path.parent),
+                                         model.args.vocab_size, draft_model.args.vocab_size):
+            raise UserError(f"the draft's tokenizer ({args.draft_checkpoint_path.parent}) differs from the target's "
+                            f"({args.checkpoint_path.parent}): pick a draft from the same model family")
     load_seconds = time.perf_counter() - t0
-
-    bos_id = model.args.bos_token_id if model.args.bos_token_id is not None else tokenizer.bos_id
-    eos_ids = sorted(set(model.args.eos_token_ids) | set(tokenizer.eos_ids))
-    prompt_ids = encode_prompt(args, tokenizer, model.args.vocab_size, bos_id, device)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
-
-    drafter = speculate.make_drafter(args, draft_model, device)
-    needed = len(prompt_ids) + args.max_new_tokens
-    if needed > model.args.block_size:
-        raise UserError(
-            f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens ({args.max_new_tokens})"
-            f" = {needed} exceeds the model's context of "
-            f"{model.args.block_size} tokens: shorten the prompt or lower --max_new_tokens")
+    drafter = speculate.make_drafter(draft_model, depth, args.tree_nodes, args.draft_ngram, model.args.block_size)
     if drafter is not None and args.batch_size > 1:
         raise UserError("speculative decoding runs at --batch_size 1 (it is a latency tool); drop --batch_size")
+    eos_ids = sorted(set(model.args.eos_token_ids) | set(tokenizer.eos_ids))
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    prompt_ids = encode_prompt(args.prompt, tokenizer, model.args.vocab_size, args.seed, chat=args.chat)
+    check_fits(len(prompt_ids), args.max_new_tokens, model.args.block_size)
 
     target = Engine(model)
-    compile_seconds = 0.0
     if args.compile:
         target = compile_engine(model, device, args.compile_prefill)
         if drafter is not None:
             drafter.compile(device)
+    say(f"Loaded {args.checkpoint_path} in {load_seconds:.2f} s"
+        f"{' (quantization: ' + model.quantization['mode'] + ')' if model.quantization else ''}"
+        f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
 
-    is_chat = args.interactive
-    printer = (lambda *a, **k: print(*a, **k)) if rank == 0 else (lambda *a, **k: None)
-    printer(f"Loaded {args.checkpoint_path} in {load_seconds:.2f} s"
-            f"{' (quantization: ' + model.quantization['mode'] + ')' if model.quantization else ''}"
-            f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
-    read_prompt = tp.read_prompt if world_size > 1 else input  # under TP rank 0 reads, every rank gets the text
-    prompt = torch.tensor(prompt_ids, device=device, dtype=torch.long)
-    samples, stats = [], {}
-    # sample 0 is a warm-up when compiling (its time includes compilation) and is not counted
-    counted_from = 1 if args.compile else 0
-    total = args.num_samples + counted_from if not is_chat else 10**9
-    i = 0
-    while i < total:
-        if is_chat:
-            try:
-                text = read_prompt("What is your prompt? ")
-            except EOFError:
-                break
-            ids = chat_format(tokenizer, text, bos_id)
-            prompt = torch.tensor(ids, device=device, dtype=torch.long)
-        profile = args.profile is not None and i == total - 1 and rank == 0
-        streamed = []
-
-        def stream(token):
-            if is_chat and rank == 0:
-                streamed.append(int(token[0]))
-                print(tokenizer.decode(streamed[-1:]), end="", flush=True)
-
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+    def run(ids: list, callback=None, profile=False):
+        """One generation, timed: (rows of new ids, stats, seconds)."""
+        prompt = torch.tensor(ids, device=device, dtype=torch.long)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        sync()
         t = time.perf_counter()
-        prof = torch.profiler.profile() if profile else contextlib.nullcontext()
-        with prof:
-            tokens, stats = generate(target, prompt, args.max_new_tokens, sampling, eos_ids,
-                                     stop_at_eos=not args.ignore_eos, batch_size=args.batch_size,
-                                     drafter=drafter, callback=stream if is_chat else None)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t
+        with torch.profiler.profile() if profile else contextlib.nullcontext() as prof:
+            rows, stats = generate(target, prompt, args.max_new_tokens, sampling, eos_ids,
+                                   stop_at_eos=not args.ignore_eos, batch_size=args.batch_size,
+                                   drafter=drafter, callback=callback)
+            sync()
         if profile:
-            prof.export_chrome_trace(str(args.profile))
-        if i < counted_from:
-            compile_seconds = seconds
-            printer(f"Compilation (warm-up sample) took {seconds:.2f} s")
-            i += 1
-            continue
-        n = sum(len(row) for row in tokens)
-        sample = {"tokens": tokens[0], "text": tokenizer.decode(tokens[0]), "seconds": seconds,
-                  "tokens_per_sec": n / seconds}
-        if args.batch_size > 1:
-            sample["batch_tokens"] = tokens
-        samples.append(sample)
-        if not is_chat:
-            printer(tokenizer.decode(prompt_ids[1:] if bos_id is not None else prompt_ids) + sample["text"])
-        printer(f"\nSample {len(samples)}: {n} tokens in {seconds:.2f} s, {n / seconds:.2f} tokens/s, "
-                f"{model_bytes(model, world_size) * n / args.batch_size / seconds / 1e9:.2f} GB/s")
-        if drafter is not None:
-            printer(speculate.format_stats(stats))
-        i += 1
+            write_atomically(args.profile, lambda tmp: prof.export_chrome_trace(str(tmp)))
+        return rows, stats, time.perf_counter() - t
 
-    result = summarize(args, model, device, precision, prompt_ids, samples, stats, compile_seconds,
-                       drafter, world_size)
-    printer(f"Average: {result['tokens_per_sec']:.2f} tokens/s, {result['bandwidth_gbs']:.2f} GB/s")
-    if "peak_memory_gb" in result:
-        printer(f"Peak memory: {result['peak_memory_gb']:.2f} GB")
+    compile_seconds = 0.0
+    if args.compile:  # a warm-up sample compiles the graphs; its time is reported, not counted
+        compile_seconds = run(prompt_ids)[2]
+        say(f"Compilation (warm-up sample) took {compile_seconds:.2f} s")
+    if args.interactive:
+        samples, stats = chat(run, tokenizer, model, rank, world_size, say)
+    else:
+        samples, stats = [], {}
+        for i in range(args.num_samples):
+            rows, stats, seconds = run(prompt_ids, profile=args.profile is not None and i == args.num_samples - 1
+                                       and rank == 0)
+            samples.append(sample_record(rows, seconds, tokenizer))
+            shown = tokenizer.decode(prompt_ids) if args.prompt.strip().isdigit() or args.chat else args.prompt
+            say(shown + samples[-1]["text"])
+            say(f"\nSample {i + 1}: " + report(samples[-1], model, args.batch_size))
+            if drafter is not None:
+                say(speculate.format_stats(stats))
+
+    result = summarize(args, model, device, precision, prompt_ids, samples, stats, compile_seconds, drafter,
+                       world_size)
+    say(f"Average: {result['tokens_per_sec']:.2f} tokens/s, {result['bandwidth_gbs']:.2f} GB/s")
+    say(f"Peak memory: {result['peak_memory_gb']:.2f} GB")
     if args.stats_json and rank == 0:
-        write_json_atomically(args.stats_json, result)
+        write_atomically(args.stats_json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
     return result
 
 
-def model_bytes(model: Transformer, world_size: int) -> int:
-    return model.model_bytes()  # per rank under tensor parallelism: each rank reads its shard
+def check_fits(prompt_tokens: int, max_new_tokens: int, block_size: int):
+    needed = prompt_tokens + max_new_tokens
+    if needed > block_size:
+        raise UserError(f"prompt ({prompt_tokens} tokens) + --max_new_tokens ({max_new_tokens}) = {needed} exceeds "
+                        f"the model's context of {block_size} tokens: shorten the prompt or lower --max_new_tokens")
+
+
+def chat(run, tokenizer, model, rank: int, world_size: int, say):
+    """--interactive: read a question, answer it in the checkpoint's own chat template (streamed), keep the
+    conversation, until end of input. Under tensor parallelism rank 0 reads and every rank gets the text."""
+    import tp
+    read = tp.read_prompt if world_size > 1 else input
+    messages, samples, stats = [], [], {}
+    stop = set(tokenizer.eos_ids) | set(model.args.eos_token_ids)
+    while True:
+        try:
+            text = read("What is your prompt? ")
+        except EOFError:
+            return samples, stats
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.chat_ids(messages)
+        check_fits(len(ids), 1, model.args.block_size)
+        streamed, shown = [], [""]
+
+        def stream(token):
+            if rank == 0 and int(token[0]) not in stop:  # the end-of-turn token ends the answer, unprinted
+                streamed.append(int(token[0]))
+                text = tokenizer.decode(streamed)
+                if not text.endswith("\ufffd"):  # print whole characters only (a token may end mid-UTF-8)
+                    say(text[len(shown[0]):], end="", flush=True)
+                    shown[0] = text
+
+        rows, stats, seconds = run(ids, callback=stream)
+        samples.append(sample_record(rows, seconds, tokenizer))
+        say(f"\nSample {len(samples)}: " + report(samples[-1], model, 1))
+        answer = [t for t in rows[0] if t not in stop]
+        messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
+        say()
+
+
+def sample_record(rows: list, seconds: float, tokenizer) -> dict:
+    n = sum(len(row) for row in rows)
+    record = {"tokens": rows[0], "text": tokenizer.decode(rows[0]), "seconds": seconds, "tokens_per_sec": n / seconds}
+    if len(rows) > 1:
+        record["batch_tokens"] = rows
+    return record
+
+
+def report(sample: dict, model: Transformer, batch_size: int) -> str:
+    n, seconds = round(sample["tokens_per_sec"] * sample["seconds"]), sample["seconds"]
+    return (f"{n} tokens in {seconds:.2f} s, {n / seconds:.2f} tokens/s, "
+            f"{model.model_bytes() * n / batch_size / seconds / 1e9:.2f} GB/s")
 
 
 def summarize(args, model, device, precision, prompt_ids, samples, stats, compile_seconds, drafter, world_size):
     tokens_per_sec = sum(s["tokens_per_sec"] for s in samples) / max(len(samples), 1)
-    nbytes = model_bytes(model, world_size)
+    nbytes = model.model_bytes()  # per rank under tensor parallelism: each rank reads its shard
     result = {
         "device": device, "precision": {v: k for k, v in PRECISIONS.items()}[precision],
         "compile": bool(args.compile), "speculative": drafter.kind if drafter else "none",
@@ -412,7 +396,7 @@ def summarize(args, model, device, precision, prompt_ids, samples, stats, compil
         "compile_seconds": compile_seconds,
     }
     if drafter is not None:
-        result.update(drafter.summary())
+        result.update(stats)
     if device.startswith("cuda"):
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     else:
@@ -421,35 +405,23 @@ def summarize(args, model, device, precision, prompt_ids, samples, stats, compil
     return result
 
 
-def chat_format(tokenizer, text: str, bos_id) -> list:
-    """Llama 3 header format when the tokenizer knows its special tokens, else Llama 2 [INST]."""
-    processor = getattr(tokenizer, "processor", None)
-    if hasattr(processor, "token_to_id") and processor.token_to_id("<|start_header_id|>") is not None:
-        text = (f"<|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>"
-                f"<|start_header_id|>assistant<|end_header_id|>\n\n")
-        ids = processor.encode(text, add_special_tokens=False).ids
-    else:
-        ids = tokenizer.encode(f"[INST] {text.strip()} [/INST]")
-    return ([bos_id] if bos_id is not None else []) + ids
-
-
-def write_json_atomically(path: Path, data: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+def cli(argv=None) -> int:
+    """main() for the command line: a user mistake is one line on stderr and status 1, Ctrl-C status 130."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up of temp files, as Ctrl-C does
+    try:
+        main(argv)
+        error, status = None, 0
+    except UserError as e:
+        error, status = f"error: {e}", 1
+    except KeyboardInterrupt:
+        error, status = "interrupted", 130
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        import tp
+        tp.end_process(error, status)
+    if error:
+        print(error, file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":
-    # run main() from the module that speculate.py, tp.py and quantize.py import (`import generate`),
-    # so that the UserError they raise is the class caught here, not a second copy made for __main__
-    import generate
-    try:
-        generate.main()
-        error = None
-    except (generate.UserError, FileNotFoundError, ValueError) as e:
-        error = f"error: {e}"  # one line, no traceback (under torchrun: from every rank)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        import tp
-        tp.end_process(error)
-    sys.exit(error)
+    sys.exit(cli())

@@ -6,6 +6,8 @@ verification (positions = prefix length + depth, a mask that shows each node its
 """
 import json
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -14,6 +16,55 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a missing or inconsistent file). Every CLI prints it as one
+    line, `error: <what is wrong>: <what to do>`, and exits with status 1; never a traceback."""
+
+
+def write_atomically(path, write):
+    """Create or replace the file `path` so that a half-written file never appears under its name:
+    `write(tmp)` fills a temp file beside it (`.NAME.partial-PID`), which is fsynced and renamed over
+    `path`; on any failure (or KeyboardInterrupt) the temp file is removed. A leftover from a killed
+    process (SIGKILL runs no clean-up) carries a dead PID in its name and is removed by the next write."""
+    path = Path(path)
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.partial-{os.getpid()}-")
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # the permissions a plain open() would give, not mkstemp's 0600
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def remove_stale_partials(path: Path):
+    """Remove `.NAME.partial-PID-*` files beside path whose process is gone."""
+    for leftover in path.parent.glob(f".{path.name}.partial-*"):
+        try:
+            pid = int(leftover.name[len(f".{path.name}.partial-"):].split("-")[0])
+            os.kill(pid, 0)  # raises if no such process
+        except ProcessLookupError:
+            leftover.unlink(missing_ok=True)
+        except (ValueError, PermissionError, OSError):
+            pass
 
 
 @dataclass
@@ -42,10 +93,25 @@ class ModelArgs:
             hidden = int(2 * 4 * self.dim / 3)
             self.intermediate_size = 256 * ((hidden + 255) // 256)
         if self.n_head % self.n_local_heads:
-            raise ValueError(f"n_head={self.n_head} is not a multiple of n_local_heads={self.n_local_heads}")
+            raise UserError(f"config: num_attention_heads={self.n_head} is not a multiple of "
+                            f"num_key_value_heads={self.n_local_heads}: fix config.json")
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict, source="config.json") -> "ModelArgs":
+        """The shape from a Hugging Face config; a missing key or an impossible value is a UserError naming it."""
+        if not isinstance(cfg, dict):
+            raise UserError(f"{source} is not a JSON object: re-download or re-convert the checkpoint")
+        sizes = {"hidden_size": 2**17, "num_hidden_layers": 4096, "num_attention_heads": 4096,
+                 "intermediate_size": 2**20, "vocab_size": 2**24}
+        optional = {"num_key_value_heads": 4096, "head_dim": 2**14, "max_position_embeddings": 2**24}
+        for key, limit in list(sizes.items()) + list(optional.items()):
+            value = cfg.get(key)
+            if value is None and key in optional:
+                continue
+            if value is None:
+                raise UserError(f"{source} has no '{key}': copy the model's own config.json beside the checkpoint")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise UserError(f"{source}: '{key}' is {value!r}, not an integer in [1, {limit}]: fix config.json")
         # transformers >= 5 writes `rope_parameters` (holding rope_theta too) instead of rope_scaling
         rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
         rope_base = float(cfg.get("rope_theta", rope.pop("rope_theta", 10000.0)))
@@ -90,7 +156,7 @@ class ModelArgs:
         lowered = name.lower()
         matches = [key for key in KNOWN_CONFIGS if key.lower() in lowered]
         if not matches:
-            raise ValueError(
+            raise UserError(
                 f"unknown model '{name}': add a Hugging Face config.json beside the checkpoint, "
                 f"or use one of: {', '.join(KNOWN_CONFIGS)}")
         config = dict(KNOWN_CONFIGS[max(matches, key=len)])
@@ -103,7 +169,11 @@ class ModelArgs:
         directory = Path(directory)
         config = directory / "config.json"
         if config.is_file():
-            return cls.from_hf_config(json.loads(config.read_text()))
+            try:
+                cfg = json.loads(config.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise UserError(f"cannot read {config} ({e}): re-download or re-convert the checkpoint") from None
+            return cls.from_hf_config(cfg, source=config)
         return cls.from_name(directory.name)
 
 
@@ -303,7 +373,7 @@ def rope_inverse_frequencies(args: ModelArgs) -> Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, blended, scaled)
-    raise ValueError(f"rope_scaling type '{kind}' is not supported (supported: default, linear, llama3)")
+    raise UserError(f"rope_scaling type '{kind}' is not supported (supported: default, linear, llama3)")
 
 
 def precompute_rope(args: ModelArgs, positions: int) -> Tensor:

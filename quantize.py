@@ -49,7 +49,6 @@ Tensor parallelism (tp.py) slices a quantized linear before it is packed: int8 l
 with their scales; columns of the weight, scales whole), int4 through Int4Linear.keep_rows/keep_columns.
 """
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -59,8 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from generate import UserError
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, UserError, write_atomically
 
 GROUPSIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 MIN_SCALE = 1e-6  # an all-equal row or group would otherwise get scale 0
@@ -245,19 +243,14 @@ def quantize_checkpoint(checkpoint_path: Path, mode: str, groupsize=None) -> Pat
     if mode == "int8" and groupsize is not None:
         raise UserError("--groupsize is for --mode int4 (int8 has one scale per output row): drop --groupsize")
     scheme = {"mode": mode} if mode == "int8" else {"mode": mode, "groupsize": groupsize or 128}
-    try:
-        args = ModelArgs.from_checkpoint_dir(path.parent)
-    except ValueError as e:
-        raise UserError(str(e)) from e
+    args = ModelArgs.from_checkpoint_dir(path.parent)
     state_dict = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
     if isinstance(state_dict.get("quantization"), dict):
         raise UserError(f"{path} is already quantized ({state_dict['quantization']['mode']}): "
                         f"quantize the full-precision model.pth instead")
     quantized = quantize_state_dict(state_dict, args, scheme)
     out = output_path(path, scheme)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save({"quantization": scheme, "model": quantized}, tmp)
-    os.replace(tmp, out)
+    write_atomically(out, lambda tmp: torch.save({"quantization": scheme, "model": quantized}, tmp))
     return out
 
 
@@ -285,3 +278,6 @@ if __name__ == "__main__":
         main()
     except UserError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

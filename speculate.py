@@ -8,14 +8,14 @@ with one child per node; the n-gram drafter feeds the same verifier.
 """
 import bisect
 import math
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from generate import Engine, Sampling, UserError, logits_to_probs, sample, sample_from, sdpa_context
+from decode import Engine, Sampling, compile_engine, logits_to_probs, sample_from, sdpa_context
+from model import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
 GREEDY_RANK_TEMPERATURE = 0.3  # sharpening of the draft's distribution when ranking tree nodes for greedy decoding
@@ -24,12 +24,29 @@ GREEDY_RANK_TEMPERATURE = 0.3  # sharpening of the draft's distribution when ran
 @dataclass
 class Tree:
     """Root (index 0, the current token) plus drafted nodes, parents listed before children.
-    proposals[i] is the distribution node i was sampled from, or None where the children were
-    chosen deterministically (then the proposal is a point mass on the chosen token)."""
-    tokens: list
-    parents: list
-    depths: list
-    proposals: list
+    proposals[i] is the distribution node i was sampled from, or None where it was chosen deterministically
+    (then its proposal is a point mass on the chosen token). cells[i] is node i's acceptance-table cell
+    (None: not scored), draft_slots[i] the draft-cache slot holding its keys/values (None: never read)."""
+    tokens: list = field(default_factory=list)
+    parents: list = field(default_factory=list)
+    depths: list = field(default_factory=list)
+    proposals: list = field(default_factory=list)
+    cells: list = field(default_factory=list)
+    draft_slots: list = field(default_factory=list)
+
+    @classmethod
+    def rooted_at(cls, token: int, slot=None) -> "Tree":
+        return cls([token], [-1], [0], [None], [None], [slot])
+
+    def add(self, token: int, parent: int, proposal: Optional[Tensor] = None, cell=None) -> int:
+        """Append a child of `parent`; returns its index."""
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1 if parent >= 0 else 0)
+        self.proposals.append(proposal)
+        self.cells.append(cell)
+        self.draft_slots.append(None)
+        return len(self.tokens) - 1
 
     def children(self):
         kids = [[] for _ in self.tokens]
@@ -38,12 +55,19 @@ class Tree:
                 kids[parent].append(node)
         return kids
 
-    def pad_to(self, size: int):
-        while len(self.tokens) < size:
-            self.tokens.append(0)
-            self.parents.append(NO_PARENT)
-            self.depths.append(0)
-            self.proposals.append(None)
+    def subtree(self, keep: list) -> "Tree":
+        """The root and the nodes `keep` (each one's parent kept too), in the order given, renumbered."""
+        index = {0: 0}
+        out = Tree.rooted_at(self.tokens[0], self.draft_slots[0])
+        for i in keep:
+            index[i] = out.add(self.tokens[i], index[self.parents[i]], self.proposals[i], self.cells[i])
+            out.draft_slots[index[i]] = self.draft_slots[i]
+        return out
+
+    def pad_to(self, size: int) -> "Tree":
+        while len(self.tokens) < size:  # padding nodes: never anyone's child, never accepted
+            self.add(0, -1)
+            self.parents[-1] = NO_PARENT
         return self
 
 
@@ -64,30 +88,49 @@ def tree_mask(parents: list, start: int, max_seq_length: int, device) -> Tensor:
 def verify(tree: Tree, target_probs: Tensor):
     """Pick the accepted path and the next token; lossless for any drafter.
 
-    Multi-candidate speculative sampling (SpecInfer, Miao et al. 2023; one child per node is the
-    rule of Leviathan et al. 2023 / Chen et al. 2023): at a node with target distribution p, try its
-    children in order; child x drawn from proposal q is accepted with probability min(1, p(x)/q(x)),
-    else p becomes the residual norm(max(0, p - q)) before the next sibling is tried. A child chosen
-    deterministically has q = point mass on x: accepted with probability p(x), residual = p without x
-    (the without-replacement variant). With temperature 0, p is one-hot and this is exact argmax
-    matching. If no child is accepted the next token is sampled from the last residual."""
+    Multi-candidate speculative sampling, children tried one after another (one child per node is the
+    rule of Leviathan et al. 2023 / Chen et al. 2023; several are SpecInfer's, Miao et al. 2023, in its
+    without-replacement form: recursive rejection sampling, Jeon et al. 2024, as in Sequoia, Chen et al.
+    2024, section 3.2). At a node with target distribution p_1 = p, the i-th child x_i comes with the
+    distribution it was drawn from; q_i is that distribution with the earlier siblings' tokens removed
+    and renormalized (siblings are drawn without replacement). x_i is accepted with probability
+    min(1, p_i(x_i) / q_i(x_i)); otherwise p_{i+1} = norm(max(0, p_i - q_i)) and the next sibling is
+    tried. If every child is rejected the next token is sampled from the last residual.
+
+    Why it is exact: for any q_i, "accept x ~ q_i with probability min(1, p_i/q_i), else draw from
+    norm(max(0, p_i - q_i))" outputs exactly p_i (Leviathan et al., appendix A.1); by induction from the
+    last sibling back, what follows a rejection of x_i outputs exactly p_{i+1}, so the node outputs
+    exactly p. This needs only that x_i is distributed as q_i given everything that decided x_i is in
+    the tree: the drafter keeps a prefix of each node's draws, and decides it without looking at them
+    (DraftModelSpeculator.select). A deterministic child has a point-mass proposal: accepted with
+    probability p_i(x), residual p_i without x. At temperature 0 p is one-hot: exact argmax matching."""
     kids = tree.children()
     node, path = 0, []
     while True:
         p = target_probs[node]
-        accepted = None
+        accepted, earlier = None, []
         for child in kids[node]:
             x = tree.tokens[child]
-            q = tree.proposals[child]
+            q = without(tree.proposals[child], earlier)
             ratio = p[x] / q[x] if q is not None else p[x]
             if torch.rand((), device=p.device) < ratio:
                 accepted = child
                 break
             p = residual(p, q, x)
+            earlier.append(x)
         if accepted is None:
             return path, int(sample_from(p))
         path.append(accepted)
         node = accepted
+
+
+def without(q: Optional[Tensor], tokens: list) -> Optional[Tensor]:
+    """q with `tokens` (earlier siblings, drawn before) removed and renormalized: the distribution of a
+    draw without replacement after them. None (a deterministic child) stays None."""
+    if q is None or not tokens:
+        return q
+    rest = q.index_fill(0, torch.tensor(tokens, device=q.device), 0)
+    return rest / rest.sum()
 
 
 def verify_greedy(tree: Tree, argmax: list):
@@ -124,68 +167,18 @@ def move_cache_slots(model, src: list, dst: list):
         cache.v_cache[:, :, dst_t] = cache.v_cache[:, :, src_t]
 
 
-class TreeSpeculator:
-    """The generation loop shared by every drafter: draft a tree, verify, compact, repeat."""
-    kind = "tree"
+@dataclass
+class Stats:
+    """Acceptance figures of one generation."""
+    depth: int
+    tree_nodes: int
+    accept_counts: list = None  # accept_counts[i]: verify steps that accepted i drafted tokens
+    target_forwards: int = 1  # the prefill
+    draft_forwards: int = 0
+    drafted: int = 0  # depth drafted, summed over the steps
 
-    def __init__(self, depth: int, tree_nodes: int, auto_depth: bool = False):
-        self.depth, self.tree_nodes, self.auto_depth = depth, tree_nodes, auto_depth
-        self.lookahead = tree_nodes + 2
-        self.reset_stats()
-
-    def reset_stats(self):
+    def __post_init__(self):
         self.accept_counts = [0] * (self.depth + 1)
-        self.target_forwards = 0
-        self.draft_forwards = 0
-        self.drafted = 0
-
-    def compile(self, device):
-        pass
-
-    def generate(self, target: Engine, prompt: Tensor, first: Tensor, max_new_tokens: int, sampling: Sampling,
-                 eos_ids: list, stop_at_eos: bool, callback=None):
-        self.reset_stats()
-        self.target_forwards = 1  # the prefill
-        model, device = target.model, prompt.device
-        eos = set(eos_ids)
-        pos = prompt.numel()  # slot of the current (last accepted, not yet cached) token
-        history = prompt.tolist()
-        out = [int(first[0])]
-        if callback:
-            callback(first)
-        self.start(prompt, model.max_seq_length)
-        depth = self.depth if not self.auto_depth else min(2, self.depth)
-        while len(out) < max_new_tokens and not (stop_at_eos and out[-1] in eos):
-            tree = self.draft(out[-1], pos, depth, history + out, sampling)
-            tree.pad_to(self.tree_nodes + 1)
-            n = len(tree.tokens)
-            tokens = torch.tensor([tree.tokens], device=device)
-            input_pos = torch.tensor([[pos + d for d in tree.depths]], device=device)
-            slots = torch.arange(pos, pos + n, device=device).view(1, -1)
-            mask = tree_mask(tree.parents, pos, model.max_seq_length, device)
-            with sdpa_context():
-                logits = target.forward(tokens, input_pos, slots, mask)
-            self.target_forwards += 1
-            if sampling.temperature == 0:
-                path, next_token = verify_greedy(tree, logits[0].argmax(-1).tolist())
-            else:
-                path, next_token = verify(tree, logits_to_probs(logits[0], sampling))
-            move_cache_slots(model, [pos + node for node in path], list(range(pos + 1, pos + 1 + len(path))))
-            self.accepted(path, tree, pos)
-            self.accept_counts[len(path)] += 1
-            self.drafted += depth
-            new = [tree.tokens[node] for node in path] + [next_token]
-            if self.auto_depth:  # grow after a fully accepted chain, shrink after a rejection
-                depth = min(self.depth, depth + 2) if len(path) == depth else max(1, depth - 1)
-            pos += len(new)
-            for t in new:
-                if len(out) >= max_new_tokens or (stop_at_eos and out[-1] in eos):
-                    break
-                out.append(t)
-                if callback:
-                    callback(torch.tensor([t]))
-        self.finish(out)
-        return [out], self.summary()
 
     def summary(self) -> dict:
         steps = max(sum(self.accept_counts), 1)
@@ -200,18 +193,87 @@ class TreeSpeculator:
             "speculate_k": self.depth, "tree_nodes": self.tree_nodes,
         }
 
-    # drafter hooks
-    def start(self, prompt: Tensor, max_seq_length: int):
+
+def verify_step(target: Engine, tree: Tree, pos: int, sampling: Sampling):
+    """One target forward over the whole tree (node i at cache slot pos + i, RoPE position pos + depth, seeing
+    the prefix and its ancestors), then verification, then the accepted path's keys/values moved to the slots
+    right after the root. Returns (accepted path, the target's next token)."""
+    model = target.model
+    device = model.tok_embeddings.weight.device
+    n = len(tree.tokens)
+    tokens = torch.tensor([tree.tokens], device=device)
+    input_pos = torch.tensor([[pos + d for d in tree.depths]], device=device)
+    slots = torch.arange(pos, pos + n, device=device).view(1, -1)
+    mask = tree_mask(tree.parents, pos, model.max_seq_length, device)
+    with sdpa_context():
+        logits = target.forward(tokens, input_pos, slots, mask)
+    if sampling.temperature == 0:
+        path, next_token = verify_greedy(tree, logits[0].argmax(-1).tolist())
+    else:
+        path, next_token = verify(tree, logits_to_probs(logits[0], sampling))
+    move_cache_slots(model, [pos + node for node in path], list(range(pos + 1, pos + 1 + len(path))))
+    return path, next_token
+
+
+class TreeSpeculator:
+    """The generation loop shared by every drafter: draft a tree, verify it, compact the caches, repeat."""
+    kind = "tree"
+
+    def __init__(self, depth: int, tree_nodes: int, auto_depth: bool = False):
+        self.depth, self.tree_nodes, self.auto_depth = depth, tree_nodes, auto_depth
+        self.lookahead = tree_nodes + 2  # cache slots a step may write past the accepted tokens
+
+    def compile(self, device: str):
         pass
 
-    def finish(self, tokens: list):
-        pass
+    def generate(self, target: Engine, prompt: Tensor, first: Tensor, max_new_tokens: int, sampling: Sampling,
+                 eos_ids: list, stop_at_eos: bool, callback=None):
+        """Tokens after `prompt` (1-D ids; the target's cache holds it) and `first` (the prefill's token).
+        Returns ([new ids], acceptance stats)."""
+        stats = Stats(self.depth, self.tree_nodes)
+        eos = set(eos_ids)
+        pos = prompt.numel()  # slot of the current (last accepted, not yet cached) token
+        history = prompt.tolist()
+        out = [int(first[0])]
+        if callback:
+            callback(first)
+        stats.draft_forwards += self.start(prompt, target.model.max_seq_length)
+        depth = self.depth if not self.auto_depth else min(2, self.depth)
+        while len(out) < max_new_tokens and not (stop_at_eos and out[-1] in eos):
+            tree, forwards = self.draft(out[-1], pos, depth, history + out, sampling)
+            path, next_token = verify_step(target, tree.pad_to(self.tree_nodes + 1), pos, sampling)
+            self.accepted(path, tree, pos)
+            stats.draft_forwards += forwards
+            stats.target_forwards += 1
+            stats.accept_counts[len(path)] += 1
+            stats.drafted += depth
+            if self.auto_depth:  # grow after a fully accepted chain, shrink after a rejection
+                depth = min(self.depth, depth + 2) if len(path) == depth else max(1, depth - 1)
+            new = [tree.tokens[node] for node in path] + [next_token]
+            pos += len(new)
+            for t in new:
+                if len(out) >= max_new_tokens or (stop_at_eos and out[-1] in eos):
+                    break
+                out.append(t)
+                if callback:
+                    callback(torch.tensor([t]))
+        self.finish(out)
+        return [out], stats.summary()
 
-    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
+    # what a drafter provides
+    def start(self, prompt: Tensor, max_seq_length: int) -> int:
+        """A new generation after `prompt`; returns the draft forwards it ran."""
+        return 0
+
+    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling):
+        """The tree to verify, rooted at `root` (cache slot pos), and the draft forwards it took."""
         raise NotImplementedError
 
     def accepted(self, path: list, tree: Tree, pos: int):
-        pass
+        """The verifier accepted `path` (node indices of `tree`)."""
+
+    def finish(self, tokens: list):
+        """The generation ended with these new tokens."""
 
 
 def greedy_candidates(logits: Tensor, width: int):
@@ -256,23 +318,15 @@ class AcceptanceTable:
         self.accepted = [0.0] * len(self.reached)
         self.unit = 1.0  # what one observation counts now (counts are in units of the latest step's)
 
-    def children(self, logits: Tensor, sampling: Sampling, width: int) -> list:
-        """The `width` most probable children of each row of logits [rows, V], chosen deterministically:
-        [[(token, log-estimate, cell)]], zero-probability children left out."""
-        if sampling.temperature > 0:  # verify() accepts a deterministic child x with probability p(x) ~ q(x)
-            top = torch.topk(logits_to_probs(logits, sampling), width, dim=-1)
-            log_q = top.values.clamp_min(1e-30).log().tolist()
-            return self.rank(top.indices.tolist(), log_q, log_q)
-        return self.rank(*(t.tolist() for t in greedy_candidates(logits, width)))
-
-    def rank(self, tokens: list, log_q: list, log_prior: list) -> list:
-        """Score each row's candidates (lists [rows][width], most probable first)."""
+    def rank(self, tokens: list, log_q: list, log_prior: list, keep_all: bool = False) -> list:
+        """Score each row's candidates (lists [rows][width], most probable first): [[(token, log-estimate,
+        cell)]]; candidates of prior 0 are left out unless keep_all."""
         rows = []
         for row_tokens, row_log_q, row_log_prior in zip(tokens, log_q, log_prior):
             row = []
             for rank, (token, lq, lp) in enumerate(zip(row_tokens, row_log_q, row_log_prior)):
                 prior = math.exp(lp)
-                if prior == 0:
+                if prior == 0 and not keep_all:
                     continue
                 cell = (rank * (len(self.LOG_Q_EDGES) + 1) + bisect.bisect(self.LOG_Q_EDGES, lq)) \
                     * (len(self.PRIOR_EDGES) + 1) + bisect.bisect(self.PRIOR_EDGES, prior)
@@ -291,8 +345,9 @@ class AcceptanceTable:
         weight = self.PRIOR_WEIGHT * self.unit
         return (self.accepted[cell] + weight * prior) / (self.reached[cell] + weight)
 
-    def observe(self, tree: Tree, cells: list, path: list):
+    def observe(self, tree: Tree, path: list):
         """The verifier reached the root and every accepted node, and accepted the nodes on the path."""
+        cells = tree.cells
         kids, on_path = tree.children(), set(path)
         self.unit /= self.DECAY  # decaying every count = counting new observations as more units
         if self.unit > 1e100:
@@ -306,12 +361,16 @@ class AcceptanceTable:
 
 
 class DraftModelSpeculator(TreeSpeculator):
-    """A small draft model grows the tree one depth per forward (EAGLE-2 style dynamic tree):
-    expand the `width` best-scored nodes of the newest depth, give each its `width` most probable
-    children, and keep the tree_nodes best nodes overall, a node's score being the acceptance table's
-    log-estimate summed along its path (with --draft_ngram, the lookup's branches are merged in first).
-    With width 1 (tree_nodes == depth) this is the classic chain, and at temperature > 0 each
-    child is *sampled* from the draft's warped distribution, which is then the q of verify()."""
+    """A small draft model grows the tree one depth per forward (EAGLE-2 style dynamic tree): expand the
+    `width` best-scored nodes of the newest depth, give each `width` children, and keep the tree_nodes best
+    nodes overall, a node's score being the acceptance table's log-estimate summed along its path (with
+    --draft_ngram, the lookup's branches are merged in first). With width 1 (tree_nodes == depth) this is
+    the classic chain.
+
+    Children: at temperature 0 the draft's `width` most probable tokens. At temperature > 0 they are drawn
+    without replacement from the draft's warped distribution q (same temperature / top-k / top-p as the
+    target's), so verify() tries each against the target's residual with min(1, p_i/q_i), which accepts far
+    more than a deterministic pick's p(x) (see sampled_children for why the tree stays lossless)."""
     kind = "draft"
 
     def __init__(self, draft_model, depth: int, tree_nodes: int, auto_depth: bool = False, ngram: int = 0):
@@ -325,66 +384,62 @@ class DraftModelSpeculator(TreeSpeculator):
         self.candidates = draft_candidates
         self.write_cache = draft_model
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
+        self.pending = []  # accepted tokens not yet in the draft's cache (they come before the next root)
 
-    def compile(self, device):
-        from generate import compile_engine
+    def compile(self, device: str):
         self.engine = compile_engine(self.draft_model, device, compile_prefill=True)
         mode = "reduce-overhead" if device.startswith("cuda") else None
         self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
         self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
 
-    def start(self, prompt: Tensor, max_seq_length: int):
+    def start(self, prompt: Tensor, max_seq_length: int) -> int:
         self.draft_model.setup_caches(1, max_seq_length)
         input_pos = torch.arange(prompt.numel(), device=prompt.device).view(1, -1)
         with sdpa_context():
             self.engine.prefill(self.draft_model, prompt.view(1, -1), input_pos, Sampling())
-        self.draft_forwards += 1
-        self.pending = []  # accepted tokens not yet in the draft's cache (before the root)
+        self.pending = []
         if self.lookup:
             self.lookup.start()
+        return 1
 
     def finish(self, tokens: list):
         if self.lookup:
             self.lookup.finish(tokens)
 
-    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
+    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling):
         device = self.draft_model.tok_embeddings.weight.device
-        # depth 1: catch up on the pending token (if any) and read the root's distribution
-        if len(self.pending) > 1:  # accepted looked-up tokens: all but the last go in first (any length)
+        forwards = 0
+        # a looked-up path the draft never read: all but its last token go into the cache first (any length)
+        if len(self.pending) > 1:
             start = pos - len(self.pending)
             x = torch.tensor([self.pending[:-1]], device=device)
             with sdpa_context():
                 self.write_cache(x, torch.arange(start, pos - 1, device=device).view(1, -1))
-            self.draft_forwards += 1
+            forwards += 1
             self.pending = self.pending[-1:]
+        trie = self.lookup.trie(context, depth) if self.lookup else {}
+        # depth 1: the pending token (if any) and the root, whose distribution gives the first children
         feed = self.pending + [root]
         x = torch.tensor([feed], device=device)
         input_pos = torch.arange(pos - len(self.pending), pos + 1, device=device).view(1, -1)
-        children = self.read(x, input_pos, None, None, sampling)[-1:]
+        children = self.read(x, input_pos, None, None, sampling, exclude=list(trie) if sampling.temperature else [])[-1:]
+        forwards += 1
         self.pending = []
-        tree = Tree([root], [-1], [0], [None])
-        self.draft_slot = {0: pos}
-        self.cells = [None]  # per drafted node: its acceptance-table cell (trees only)
-        frontier = [0]
-        scores = [0.0]
+        tree = Tree.rooted_at(root, pos)
+        frontier, scores = [0], [0.0]
         for d in range(1, depth + 1):
             newest = []
             for parent, kids in zip(frontier, children):
                 for token, proposal, logp, cell in kids:
-                    tree.tokens.append(token)
-                    tree.parents.append(parent)
-                    tree.depths.append(d)
-                    tree.proposals.append(proposal)
-                    self.cells.append(cell)
+                    newest.append(tree.add(token, parent, proposal, cell))
                     scores.append(scores[parent] + logp)
-                    newest.append(len(tree.tokens) - 1)
-            if d == depth:
+            if d == depth or not newest:
                 break
             frontier = sorted(newest, key=lambda i: -scores[i])[: self.width]
             # one forward over the whole frontier, each node seeing the prefix and its ancestors
             base = pos + 1 + (d - 1) * self.width
             for j, node in enumerate(frontier):
-                self.draft_slot[node] = base + j
+                tree.draft_slots[node] = base + j
             # a chain sits at consecutive slots (slot = position): the default causal mask is its tree mask
             slots = mask = None
             rows = frontier
@@ -395,50 +450,88 @@ class DraftModelSpeculator(TreeSpeculator):
             x = torch.tensor([[tree.tokens[n] for n in rows]], device=device)
             input_pos = torch.full((1, len(rows)), pos + d, device=device)
             children = self.read(x, input_pos, slots, mask, sampling)[:len(frontier)]
-        if self.lookup:
-            self.merge(tree, scores, self.lookup.trie(context, depth))
-        return self.select(tree, scores)
+            forwards += 1
+        if trie:
+            self.merge(tree, scores, trie, sampling)
+        return self.select(tree, scores), forwards
 
-    def merge(self, tree: Tree, scores: list, trie: dict):
-        """Merge the n-gram lookup's trie into the draft's tree (SpecInfer, Miao et al. 2023, merges the
-        token trees of several speculators into one): a looked-up child the draft also proposed keeps its
-        node, with the better score; the others become new nodes, scored by the table's lookup cells."""
-        child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p >= 0}
-        stack = [(0, trie)]
-        while stack:
-            parent, level = stack.pop()
-            total = sum(count for count, _ in level.values())
-            for token, (count, below) in level.items():
-                score, cell = self.table.lookup(count / total)
-                node = child.get((parent, token))
-                if node is None:
-                    node = len(tree.tokens)
-                    tree.tokens.append(token)
-                    tree.parents.append(parent)
-                    tree.depths.append(tree.depths[parent] + 1)
-                    tree.proposals.append(None)
-                    self.cells.append(cell)
-                    scores.append(scores[parent] + score)
-                else:
-                    scores[node] = max(scores[node], scores[parent] + score)
-                if below:
-                    stack.append((node, below))
-
-    def read(self, x: Tensor, input_pos: Tensor, slots, mask, sampling: Sampling) -> list:
-        """One draft forward; the children of each row of x: [[(token, proposal or None, score, cell)]]."""
-        self.draft_forwards += 1
+    def read(self, x: Tensor, input_pos: Tensor, slots, mask, sampling: Sampling, exclude=()) -> list:
+        """One draft forward; the children of each row of x, best first: [[(token, proposal, log-estimate,
+        cell)]], proposal None for a deterministic child. `exclude`: tokens the last row must not draw."""
         with sdpa_context():
             if sampling.temperature == 0:
                 tokens, log_q, log_prior = self.candidates(self.draft_model, x, input_pos, slots, mask, self.width)
                 if self.width == 1:  # chain: the argmax, a point-mass proposal
                     return [[(token, None, 0.0, None)] for token in tokens[:, 0].tolist()]
                 rows = self.table.rank(tokens.tolist(), log_q.tolist(), log_prior.tolist())
-            else:
-                logits = self.engine.forward(x, input_pos, slots, mask)[0]
-                if self.width == 1:
-                    return [[(*child, None) for child in self.choose_children(row, sampling)] for row in logits]
-                rows = self.table.children(logits, sampling, self.width)
-        return [[(token, None, score, cell) for token, score, cell in row] for row in rows]  # deterministic
+                return [[(token, None, score, cell) for token, score, cell in row] for row in rows]
+            logits = self.engine.forward(x, input_pos, slots, mask)[0]
+        last = len(logits) - 1
+        return [self.sampled_children(row, sampling, exclude if i == last else ()) for i, row in enumerate(logits)]
+
+    def sampled_children(self, logits: Tensor, sampling: Sampling, exclude=()) -> list:
+        """`width` children drawn without replacement from q, the draft's warped distribution (minus `exclude`,
+        the looked-up tokens tried deterministically at the same node), in the order drawn:
+        [(token, q, log-estimate, cell)].
+
+        Gumbel-top-k (Kool et al. 2019): the k largest log q(x) + G(x), G i.i.d. Gumbel, are k draws without
+        replacement, in order. Lossless trees need a node's kept children to be a prefix of its draws, chosen
+        without looking at them (verify()); so a child's score (and cell) comes from what was known before the
+        draw: its rank and q's sorted probabilities. Scores fall along ranks (later siblings never outrank
+        earlier ones) and along depth (log-estimates <= 0), and select() breaks ties by depth then index, so
+        the tree_nodes cut keeps a node by comparing it only with nodes ranked above it, none of which depend
+        on its own value or on draws made after it."""
+        q = logits_to_probs(logits, sampling)
+        q = without(q, list(exclude))
+        keys = q.log() - torch.empty_like(q).exponential_().log()  # log q + Gumbel noise
+        drawn = torch.topk(keys, self.width).indices.tolist()
+        top = torch.topk(q, self.width).values.double().tolist()  # q's sorted probabilities: known before drawing
+        drawn = [token for token, p in zip(drawn, top) if p > 0]
+        if self.width == 1:
+            return [(token, q, 0.0, None) for token in drawn]
+        left, log_q, log_prior = 1.0, [], []
+        for p in top[:len(drawn)]:  # prior of the i-th draw: chance it is the i-th most likely token
+            log_q.append(math.log(p))
+            log_prior.append(math.log(min(1.0, p / max(left, 1e-30))))
+            left -= p
+        ranked = self.table.rank([drawn], [log_q], [log_prior], keep_all=True)[0]
+        children, floor = [], 0.0
+        for token, score, cell in ranked:
+            floor = min(floor, score)  # scores never rise along the draw order
+            children.append((token, q, floor, cell))
+        return children
+
+    def merge(self, tree: Tree, scores: list, trie: dict, sampling: Sampling):
+        """Merge the n-gram lookup's trie into the draft's tree (SpecInfer, Miao et al. 2023, merges the
+        token trees of several speculators into one), scored by the table's lookup cells.
+        Temperature 0: a looked-up child the draft also proposed keeps its node, with the better score; the
+        others become new nodes. Temperature > 0: the lookup's branches are deterministic children (point
+        masses), chosen from the context alone; the best tree_nodes // 2 of them are kept before any drawn
+        node (an offset above every draft score), so which drawn nodes survive the cut never decides which
+        looked-up ones do; the root's drawn children exclude the looked-up tokens (read(exclude=...))."""
+        sampled = sampling.temperature > 0
+        child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p >= 0}
+        budget = self.tree_nodes // 2 if sampled else len(tree.tokens) + 10**6
+        offset = 1e6 if sampled else 0.0
+        level = [(0, trie)]
+        while level and budget > 0:  # best-first over the trie, one depth at a time
+            below = []
+            for parent, branch in level:
+                total = sum(count for count, _ in branch.values())
+                for token, (count, sub) in sorted(branch.items(), key=lambda kv: -kv[1][0]):
+                    score, cell = self.table.lookup(count / total)
+                    node = child.get((parent, token))
+                    if node is None:
+                        if budget <= 0:
+                            break
+                        budget -= 1
+                        node = tree.add(token, parent, None, cell)
+                        scores.append(scores[parent] + score + (offset if parent == 0 else 0.0))
+                    else:
+                        scores[node] = max(scores[node], scores[parent] + score)
+                    if sub:
+                        below.append((node, sub))
+            level = below
 
     def frontier_mask(self, tree: Tree, frontier: list, pos: int, base: int) -> Tensor:
         """[1, 1, width, max_seq_length]: frontier row j (at slot base + j) sees the prefix up to the root and
@@ -450,43 +543,27 @@ class DraftModelSpeculator(TreeSpeculator):
             node = tree.parents[node]
             while node > 0:
                 rows.append(j)
-                cols.append(self.draft_slot[node])
+                cols.append(tree.draft_slots[node])
                 node = tree.parents[node]
         mask = torch.zeros(len(frontier), self.draft_model.max_seq_length, dtype=torch.bool)
         mask[:, : pos + 1] = True
         mask[rows, cols] = True
         return mask.view(1, 1, *mask.shape).to(self.draft_model.tok_embeddings.weight.device)
 
-    def choose_children(self, logits: Tensor, sampling: Sampling):
-        """Chain at temperature > 0: [(token sampled from q, q, score)]."""
-        token, q = sample(logits.view(1, -1), sampling)
-        return [(int(token[0]), q[0], 0.0)]
-
     def select(self, tree: Tree, scores: list) -> Tree:
-        """Keep the tree_nodes best nodes; a child never outranks its parent, so the result is a tree."""
+        """Keep the tree_nodes best nodes; ties go to the shallower, then the earlier node, so a child never
+        outranks its parent and the result is a tree."""
         drafted = range(1, len(tree.tokens))
         keep = sorted(drafted, key=lambda i: (-scores[i], tree.depths[i], i))[: self.tree_nodes]
-        keep = sorted(keep, key=lambda i: (tree.depths[i], i))
-        index = {0: 0}
-        out = Tree([tree.tokens[0]], [-1], [0], [None])
-        for i in keep:
-            index[i] = len(out.tokens)
-            out.tokens.append(tree.tokens[i])
-            out.parents.append(index[tree.parents[i]])
-            out.depths.append(tree.depths[i])
-            out.proposals.append(tree.proposals[i])
-        self.kept_draft_slot = {index[i]: s for i, s in self.draft_slot.items() if i in index}
-        self.kept_cells = [self.cells[i] for i in [0] + keep]
-        return out
+        return tree.subtree(sorted(keep, key=lambda i: (tree.depths[i], i)))
 
     def accepted(self, path: list, tree: Tree, pos: int):
         """Compact the draft's cache like the target's; a last accepted node the draft never consumed
         is fed at the start of the next step. Trees also record which nodes were accepted."""
         if self.width > 1:
-            self.table.observe(tree, self.kept_cells, path)
-        fed = [node for node in path if node in self.kept_draft_slot]
-        move_cache_slots(self.draft_model, [self.kept_draft_slot[n] for n in fed],
-                         list(range(pos + 1, pos + 1 + len(fed))))
+            self.table.observe(tree, path)
+        fed = [node for node in path if tree.draft_slots[node] is not None]
+        move_cache_slots(self.draft_model, [tree.draft_slots[n] for n in fed], list(range(pos + 1, pos + 1 + len(fed))))
         self.pending = [tree.tokens[n] for n in path[len(fed):]]
 
 
@@ -540,69 +617,68 @@ class NgramSpeculator(TreeSpeculator):
         super().__init__(depth, tree_nodes)
         self.lookup = Lookup(n)
 
-    def start(self, prompt: Tensor, max_seq_length: int):
+    def start(self, prompt: Tensor, max_seq_length: int) -> int:
         self.lookup.start()
+        return 0
 
-    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling) -> Tree:
-        return self.best_first(root, self.lookup.trie(context, depth))
+    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling):
+        return self.best_first(root, self.lookup.trie(context, depth)), 0
 
     def best_first(self, root: int, trie: dict) -> Tree:
-        tree = Tree([root], [-1], [0], [None])
+        tree = Tree.rooted_at(root)
         frontier = [(-count, 1, token, sub, 0) for token, (count, sub) in trie.items()]
         while frontier and len(tree.tokens) <= self.tree_nodes:
             frontier.sort(key=lambda f: (f[0], f[1]))
-            neg, depth, token, sub, parent = frontier.pop(0)
-            tree.tokens.append(token)
-            tree.parents.append(parent)
-            tree.depths.append(depth)
-            tree.proposals.append(None)
-            me = len(tree.tokens) - 1
-            frontier += [(-c, depth + 1, t, s, me) for t, (c, s) in sub.items()]
+            _, depth, token, sub, parent = frontier.pop(0)
+            node = tree.add(token, parent)
+            frontier += [(-c, depth + 1, t, s, node) for t, (c, s) in sub.items()]
         return tree
 
     def finish(self, tokens: list):
         self.lookup.finish(tokens)
 
 
-def check_same_vocabulary(target, draft, tokenizer, args):
-    if target.args.vocab_size != draft.args.vocab_size:
-        raise UserError(
-            f"draft vocabulary ({draft.args.vocab_size} tokens, {args.draft_checkpoint_path}) differs from the "
-            f"target's ({target.args.vocab_size}, {args.checkpoint_path}): pick a draft from the same model family")
-    from tokenizer import get_tokenizer
-    try:
-        draft_tokenizer = get_tokenizer(args.draft_checkpoint_path.parent)
-    except FileNotFoundError:
-        return
-    probe = "def main():\n    return 42  # The quick brown fox"
-    if draft_tokenizer.encode(probe) != tokenizer.encode(probe):
-        raise UserError("the draft's tokenizer differs from the target's: pick a draft from the same model family")
+def same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size: int, draft_vocab_size: int) -> bool:
+    """Whether a draft can propose target token ids as they are: the same ids for the same text."""
+    if target_vocab_size != draft_vocab_size:
+        return False
+    probe = "def main():\n    return 42  # The quick brown fox, naïve café 日本"
+    return draft_tokenizer.encode(probe) == target_tokenizer.encode(probe)
 
 
-def make_drafter(args, draft_model, device) -> Optional[TreeSpeculator]:
-    auto = args.speculate_k == "auto"
-    depth = 8 if auto else int(args.speculate_k)
-    if draft_model is None and not args.draft_ngram:
-        if args.tree_nodes is not None:
+MAX_TREE_NODES = 256  # a verify forward over more nodes costs more than it can accept, on any hardware
+
+
+def make_drafter(draft_model, depth, tree_nodes: Optional[int], ngram: int, max_seq_length: int):
+    """The drafter for these settings, or None for plain decoding.
+    draft_model: a Transformer or None; depth: draft tokens per step (an int >= 1) or "auto" (an adaptive
+    chain up to 8); tree_nodes: tokens verified per step (None: a chain of `depth`); ngram: n of the n-gram
+    lookup (0: none). Settings that cannot work raise UserError."""
+    auto = depth == "auto"
+    depth = 8 if auto else depth
+    if draft_model is None and not ngram:
+        if tree_nodes is not None:
             raise UserError("--tree_nodes needs a draft: add --draft_checkpoint_path or --draft_ngram N")
         return None
-    nodes = args.tree_nodes if args.tree_nodes is not None else depth
+    nodes = tree_nodes if tree_nodes is not None else depth
     if nodes < depth:
         raise UserError(f"--tree_nodes ({nodes}) must be >= --speculate_k ({depth}): a tree holds at least one chain")
+    limit = min(MAX_TREE_NODES, max(1, max_seq_length // 4))
+    if nodes > limit:
+        raise UserError(f"--tree_nodes / --speculate_k of {nodes} is more than this model can use (at most {limit}: "
+                        f"{MAX_TREE_NODES}, and a quarter of its {max_seq_length}-token context): lower it")
     if auto and nodes != depth:
         raise UserError("--speculate_k auto adapts a chain: drop --tree_nodes")
-    if args.draft_ngram and args.draft_ngram < 2:
+    if ngram and ngram < 2:
         raise UserError("--draft_ngram N needs N >= 2 (N - 1 tokens of context find the continuation)")
-    if nodes > depth and getattr(args, "temperature", 0) > 0:
-        print("note: at --temperature > 0 a tree's extra children are deterministic picks, which usually accept "
-              "less than a chain's sampled drafts; for sampling, --tree_nodes equal to --speculate_k is faster",
-              file=sys.stderr)
-    if args.draft_ngram and draft_model is None:
-        return NgramSpeculator(args.draft_ngram, depth, nodes)
-    if args.draft_ngram and nodes == depth:
+    if ngram and ngram > 16:
+        raise UserError(f"--draft_ngram {ngram}: use N between 2 and 16 (longer contexts rarely recur)")
+    if ngram and draft_model is None:
+        return NgramSpeculator(ngram, depth, nodes)
+    if ngram and nodes == depth:
         raise UserError("--draft_ngram with a draft model merges lookups into the draft's tree: "
                         "add --tree_nodes N > --speculate_k")
-    return DraftModelSpeculator(draft_model, depth, nodes, auto, args.draft_ngram or 0)
+    return DraftModelSpeculator(draft_model, depth, nodes, auto, ngram)
 
 
 def format_stats(stats: dict) -> str:

@@ -1,70 +1,349 @@
-"""Tokenizers behind one small interface: encode(text) -> ids, decode(ids) -> text, bos_id, eos_ids.
+"""A checkpoint's tokenizer and chat template, giving the ids transformers 5's `AutoTokenizer` gives.
 
-`tokenizer.model` is a sentencepiece model (Llama 2, Mistral, CodeLlama, TinyLlama, our tiny pair);
-`tokenizer.json` is a Hugging Face fast tokenizer (Llama 3), read with the `tokenizers` package.
+    tok = get_tokenizer(checkpoint_dir)
+    tok.encode(text) -> ids          no special tokens added (special-token text in `text` is parsed)
+    tok.encode_prompt(text) -> ids   BOS/EOS added as `AutoTokenizer.from_pretrained(dir)(text)` adds them
+    tok.decode(ids) -> text
+    tok.bos_id, tok.eos_ids          eos_ids: the EOS token and the end-of-turn tokens the tokenizer has
+    tok.vocab_size, tok.processor    processor: the `tokenizers.Tokenizer` doing the work
+    tok.chat_template                the checkpoint's Jinja chat template, or None
+    tok.render_chat(messages) -> text, tok.chat_ids(messages) -> ids   as `apply_chat_template` renders them
+
+Files, read with the `tokenizers` package (transformers is not needed):
+- `tokenizer.json` (Llama 3, SmolLM2, Mistral, ...) is used as it is, preferred to `tokenizer.model` as transformers
+  prefers it. Its post-processor alone adds BOS/EOS: transformers 5 ignores tokenizer_config.json's
+  add_bos_token / add_eos_token when a tokenizer.json exists.
+- `tokenizer.model` (sentencepiece: Llama 2, TinyLlama, our tiny pair) is converted as transformers 5 converts it
+  for LlamaTokenizer: a BPE over the pieces (merges ranked by piece id), no normalizer, special text split out,
+  BOS per add_bos_token (default True: transformers 5 adds none when the key is absent, which would drop the BOS
+  these models were trained with) and EOS per add_eos_token (default False).
+- LlamaTokenizer pre-tokenization, which transformers 5 also imposes on a non-byte-level tokenizer.json whose
+  tokenizer_config.json names LlamaTokenizer[Fast]: spaces become "▁" and one "▁" is prepended to text that does
+  not start with a space, only at the start of the input (`"legacy": true`: after every special token too;
+  `"add_prefix_space": false`: never). So " hi" is "▁hi", not sentencepiece's "▁▁hi". A tokenizer.model whose
+  config does not name LlamaTokenizer (our tiny pair has none) prepends only if its own add_dummy_prefix says so,
+  as sentencepiece does (transformers 5 would not prepend, nor add a BOS).
+Chat: the template is `chat_template.jinja` beside the tokenizer, else tokenizer_config.json's `chat_template`
+(a string, or a list of {name, template}: "default"). It runs in jinja2's immutable sandbox with transformers'
+helpers; without one, Llama 3's header format is used when the vocabulary has <|start_header_id|>, else Llama 2's
+[INST] format.
 """
 import json
+from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
+from model import UserError
 
-class SentencePieceTokenizer:
-    def __init__(self, path: Path):
-        try:
-            import sentencepiece
-        except ImportError as e:
-            raise SystemExit("reading tokenizer.model needs the sentencepiece package: pip install sentencepiece") from e
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
-        self.bos_id = self.processor.bos_id()
-        self.eos_ids = [self.processor.eos_id()]
-        self.vocab_size = self.processor.vocab_size()
+# tokens ending an assistant turn (or the text) in the formats we know: those the tokenizer has as added tokens
+# (never plain text) stop generation, beside its EOS token
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+               "<|endoftext|>", "</s>")
 
-    def encode(self, text: str) -> list:
-        return self.processor.encode(text)
+# for checkpoints without a chat template: Llama 3's header format (renders as Meta's Llama 3 Instruct template)
+# and the template Llama-2-chat ships (its [INST] format; each user turn opens with BOS, each answer ends with EOS)
+LLAMA3_CHAT = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+LLAMA2_CHAT = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
 
-    def decode(self, ids) -> str:
-        return self.processor.decode(list(ids))
 
+class Tokenizer:
+    """The interface both tokenizer files share; subclasses only build `processor` and the config they read."""
 
-class HFJsonTokenizer:
-    """tokenizer.json (+ tokenizer_config.json for the BOS/EOS names), without transformers."""
-
-    def __init__(self, path: Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise SystemExit("reading tokenizer.json needs the tokenizers package: pip install tokenizers") from e
-        self.processor = Tokenizer.from_file(str(path))
+    def __init__(self, processor, directory: Path, config: dict, tokens: dict):
+        self.processor = processor
         self.processor.no_padding()
-        config_path = path.parent / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-
-        def token_id(name):
-            token = config.get(name)
-            if isinstance(token, dict):
-                token = token.get("content")
-            return self.processor.token_to_id(token) if token else None
-
-        self.bos_id = token_id("bos_token")
-        if self.bos_id is None:
-            self.bos_id = self.processor.token_to_id("<|begin_of_text|>")
-        eos = [token_id("eos_token")] + [self.processor.token_to_id(t) for t in ("<|end_of_text|>", "<|eot_id|>")]
-        self.eos_ids = sorted({i for i in eos if i is not None})
-        self.vocab_size = self.processor.get_vocab_size()
+        self.processor.no_truncation()
+        self.directory = directory
+        vocab = processor.get_vocab()
+        added = {token.content: i for i, token in processor.get_added_tokens_decoder().items()}
+        if tokens.get("bos_token") is None:  # no tokenizer_config.json: Llama 3's or Llama 2's if it has one
+            tokens["bos_token"] = next((t for t in ("<|begin_of_text|>", "<s>") if t in added), None)
+        # bos_token, eos_token, unk_token, pad_token: strings the chat template sees
+        self.special_tokens = {name: token for name, token in tokens.items() if token is not None}
+        self.bos_id = vocab.get(tokens.get("bos_token"))
+        eos = {vocab.get(tokens.get("eos_token"))} | {added.get(t) for t in END_OF_TURN}
+        self.eos_ids = sorted(i for i in eos if i is not None)
+        self.vocab_size = processor.get_vocab_size()
+        self.chat_template, self.chat_template_source = None, None
+        jinja_file = directory / "chat_template.jinja"  # transformers prefers it to the config's entry
+        if jinja_file.is_file():
+            self.chat_template, self.chat_template_source = read_text(jinja_file), str(jinja_file)
+        else:
+            template = config.get("chat_template")
+            if isinstance(template, list):
+                template = next((t.get("template") for t in template
+                                 if isinstance(t, dict) and t.get("name") == "default"), None)
+            if isinstance(template, str):
+                self.chat_template = template
+                self.chat_template_source = str(directory / "tokenizer_config.json")
 
     def encode(self, text: str) -> list:
         return self.processor.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list:
+        return self.processor.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids) -> str:
         return self.processor.decode(list(ids), skip_special_tokens=False)
 
+    def render_chat(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """`messages` ([{"role": ..., "content": ...}]) as the chat template writes them; a template that fails,
+        rejects the conversation or tries to leave the sandbox raises UserError naming the template's file."""
+        import jinja2
+        template, source = self.chat_template, self.chat_template_source
+        if template is None:
+            llama3 = self.processor.token_to_id("<|start_header_id|>") is not None
+            template = LLAMA3_CHAT if llama3 else LLAMA2_CHAT
+            source = f"the built-in Llama {3 if llama3 else 2} format ({self.directory} has no chat template)"
+        # keys set to None are dropped, as apply_chat_template drops them
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return compile_template(template).render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens)
+        except jinja2.exceptions.SecurityError as e:
+            raise UserError(f"chat template in {source} tried an unsafe operation: {e}") from None
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise UserError(f"chat template in {source} has a syntax error at line {e.lineno}: {e.message}") from None
+        except jinja2.exceptions.TemplateError as e:  # raise_exception(...) in the template, an undefined name
+            raise UserError(f"chat template in {source} rejected the conversation: {e}") from None
+        except Exception as e:
+            raise UserError(f"chat template in {source} failed: {type(e).__name__}: {e}") from None
 
-def get_tokenizer(checkpoint_dir):
-    """The tokenizer stored beside a checkpoint: tokenizer.model first, then tokenizer.json."""
+    def chat_ids(self, messages: list, add_generation_prompt: bool = True) -> list:
+        """The rendered chat encoded as apply_chat_template(tokenize=True) encodes it: without added special
+        tokens, since the template writes its own BOS."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+class HFJsonTokenizer(Tokenizer):
+    """tokenizer.json (+ tokenizer_config.json for the special token names and the chat template)."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as Backend
+        text = read_text(path)
+        try:
+            processor = Backend.from_str(text)
+        except BaseException as e:  # a Rust panic is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise UserError(f"cannot read tokenizer: {path}: {e}: re-download it") from None
+        config = read_config(path.parent)
+        tokens = special_tokens(config)
+        if config.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast") and '"ByteLevel"' not in text:
+            llama_pre_tokenization(processor, config, add_prefix_space=True)
+        super().__init__(processor, path.parent, config, tokens)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """tokenizer.model, converted to a `tokenizers` BPE as transformers 5 converts it for LlamaTokenizer."""
+
+    def __init__(self, path: Path):
+        from tokenizers import AddedToken, Tokenizer as Backend, models, processors
+        pieces, ids, add_dummy_prefix = read_sentencepiece(path)
+        vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+        processor = Backend(models.BPE(vocab=vocab, merges=bpe_merges(vocab), fuse_unk=True, byte_fallback=True))
+        # unknown (2) and control (3) pieces are special tokens, user-defined ones (4) plain added tokens
+        processor.add_tokens([AddedToken(piece, special=kind in (2, 3), normalized=False)
+                              for piece, kind in pieces if kind in (2, 3, 4)])
+        config = read_config(path.parent)
+        defaults = {f"{name}_token": pieces[i][0] if 0 <= i < len(pieces) else None for name, i in ids.items()}
+        tokens = {**defaults, **{k: v for k, v in special_tokens(config).items() if v is not None}}
+        # transformers prepends "▁" for LlamaTokenizer; for anything else, do as the model says (as sentencepiece)
+        llama = config.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast")
+        llama_pre_tokenization(processor, config, add_prefix_space=llama or add_dummy_prefix)
+        bos, eos = tokens["bos_token"], tokens["eos_token"]
+        add_bos = bool(config.get("add_bos_token", True)) and bos in vocab
+        add_eos = bool(config.get("add_eos_token", False)) and eos in vocab
+        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+        added = [(t, vocab[t]) for t, add in ((bos, add_bos), (eos, add_eos)) if add]
+        processor.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=added)
+        super().__init__(processor, path.parent, config, tokens)
+
+
+def get_tokenizer(checkpoint_dir) -> Tokenizer:
+    """The tokenizer stored beside a checkpoint: tokenizer.json first (as transformers), then tokenizer.model."""
     directory = Path(checkpoint_dir)
-    if (directory / "tokenizer.model").is_file():
-        return SentencePieceTokenizer(directory / "tokenizer.model")
     if (directory / "tokenizer.json").is_file():
         return HFJsonTokenizer(directory / "tokenizer.json")
-    raise FileNotFoundError(
-        f"no tokenizer.model or tokenizer.json in {directory}: copy the model's tokenizer there "
-        f"(scripts/download.py fetches it)")
+    if (directory / "tokenizer.model").is_file():
+        return SentencePieceTokenizer(directory / "tokenizer.model")
+    raise UserError(f"no tokenizer.model or tokenizer.json in {directory}: copy the model's tokenizer there "
+                    f"(scripts/download.py fetches it)")
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read tokenizer: {path}: {e}: re-download it") from None
+
+
+def read_config(directory: Path) -> dict:
+    """tokenizer_config.json, with special_tokens_map.json's entries where the config has none ({} if absent)."""
+    config = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = directory / name
+        if path.is_file():
+            try:
+                data = json.loads(read_text(path))
+            except ValueError as e:
+                raise UserError(f"cannot read tokenizer: {path}: {e}: re-download it") from None
+            if not isinstance(data, dict):
+                raise UserError(f"cannot read tokenizer: {path}: not a JSON object: re-download it")
+            config.update(data)
+    return config
+
+
+def special_tokens(config: dict) -> dict:
+    """The token strings a config names ({"content": ...} dicts are AddedTokens written out)."""
+    tokens = {}
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        token = config.get(name)
+        tokens[name] = token.get("content") if isinstance(token, dict) else token if isinstance(token, str) else None
+    return tokens
+
+
+def llama_pre_tokenization(processor, config: dict, add_prefix_space: bool):
+    """transformers 5 LlamaTokenizer's pipeline: no normalizer, spaces as "▁", one "▁" prepended at the start
+    ("first"), at the start of every text between special tokens ("always", legacy) or nowhere ("never")."""
+    from tokenizers import decoders, pre_tokenizers
+    add_prefix_space = config.get("add_prefix_space", add_prefix_space) is not False
+    scheme = ("always" if config.get("legacy") else "first") if add_prefix_space else "never"
+    processor.normalizer = None
+    processor.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    processor.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix_space else []))
+
+
+def bpe_merges(vocab: dict) -> list:
+    """transformers' generate_merges: every split of a piece into two pieces, ranked by the piece's id."""
+    merges = []
+    for piece, rank in vocab.items():
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += [(rank, *m) for m in sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]]))]
+    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])))
+    return [(left, right) for _, left, right in merges]
+
+
+def read_sentencepiece(path: Path):
+    """From a sentencepiece ModelProto: [(piece, type)], {"bos"/"eos"/"unk": id}, add_dummy_prefix.
+    Types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte."""
+    try:
+        data = path.read_bytes()
+        pieces, ids, add_dummy_prefix = [], {"unk": 0, "bos": 1, "eos": 2}, True
+        for field, value in proto_fields(data):
+            if field == 1:  # SentencePiece {piece = 1, score = 2, type = 3}
+                piece = dict(proto_fields(value))
+                pieces.append((piece.get(1, b"").decode("utf-8"), piece.get(3, 1)))
+            elif field == 2:  # TrainerSpec {unk_id = 40, bos_id = 41, eos_id = 42}
+                for key, number in proto_fields(value):
+                    if key in (40, 41, 42) and isinstance(number, int):
+                        ids[("unk", "bos", "eos")[key - 40]] = number - (1 << 64) if number >> 63 else number
+            elif field == 3:  # NormalizerSpec {add_dummy_prefix = 3}
+                add_dummy_prefix = dict(proto_fields(value)).get(3, 1) != 0
+        if not pieces or any(not piece for piece, _ in pieces):
+            raise ValueError("no vocabulary in it")
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"cannot read tokenizer: {path}: {e}: re-download it") from None
+    return pieces, ids, add_dummy_prefix
+
+
+def proto_fields(data: bytes):
+    """(field number, value) for each field of a protobuf message: int for a varint, bytes otherwise."""
+    def varint(i):
+        value, shift = 0, 0
+        while True:
+            if i >= len(data) or shift > 63:
+                raise ValueError("not a sentencepiece model (truncated)")
+            value, shift, i = value | (data[i] & 0x7F) << shift, shift + 7, i + 1
+            if data[i - 1] < 0x80:
+                return value, i
+
+    i = 0
+    while i < len(data):
+        key, i = varint(i)
+        wire = key & 7
+        if wire == 0:
+            value, i = varint(i)
+        elif wire in (1, 2, 5):
+            size, i = (8, i) if wire == 1 else (4, i) if wire == 5 else varint(i)
+            if i + size > len(data):
+                raise ValueError("not a sentencepiece model (truncated)")
+            value, i = data[i:i + size], i + size
+        else:
+            raise ValueError(f"not a sentencepiece model (wire type {wire} at byte {i})")
+        yield key >> 3, value
+
+
+@lru_cache(maxsize=8)
+def compile_template(template: str):
+    """A chat template compiled as transformers compiles it: jinja2's immutable sandbox, trim_blocks and
+    lstrip_blocks, loop controls, raise_exception / strftime_now / a JSON `tojson`, `{% generation %}` blocks."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendered as is."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    class Namespace(jinja2.utils.Namespace):
+        """namespace() refusing underscore names, as transformers' (no reaching for CPython internals)."""
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"underscore attribute {name!r} on a namespace")
+
+    class Dict:
+        """`dict` for templates: dict(...) and dict.fromkeys(...), no handle on the type itself."""
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       namespace=Namespace, dict=Dict())
+    return env.from_string(template)

@@ -22,7 +22,7 @@ What is not split, and why:
                   draft forwards per step for almost no bandwidth saved.
 Ranks never diverge: every rank computes the full logits (the all-reduce and all-gather hand every
 rank the same bits), and sampling, speculate.verify's torch.rand and the draft all run from the same
-seed (generate.main seeds every rank alike), so all ranks pick the same tokens without a broadcast.
+seed (generate.py seeds every rank alike), so all ranks pick the same tokens without a broadcast.
 """
 import math
 import os
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from generate import UserError
+from model import UserError
 
 
 def init_distributed(device: str) -> tuple:
@@ -148,9 +148,9 @@ def keep_columns(linear: nn.Module, rank: int, world_size: int):
         linear.in_features //= world_size
 
 
-def end_process(error=None):
+def end_process(error=None, status: int = 1):
     """End this rank's process: after a successful run all ranks leave together and release the process
-    group; `error` is printed and ends it with status 1 (no barrier: another rank may be inside a collective,
+    group; `error` is printed and ends it with `status` (no barrier: another rank may be inside a collective,
     torchrun stops it). The interpreter's own shutdown is skipped: the collective library's worker threads
     can still be dropping the last collectives' tensors, and if that happens while Python tears itself down
     the process aborts ("terminate called without an active exception", seen with gloo on a loaded CPU)."""
@@ -161,7 +161,7 @@ def end_process(error=None):
         print(error, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if error is None else 1)
+    os._exit(0 if error is None else status)
 
 
 def read_prompt(question: str) -> str:

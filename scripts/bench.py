@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 
-import benchlib
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+import benchlib  # noqa: E402
 from benchlib import ROOT
-import generate
-from model import ModelArgs, Transformer
+import decode  # noqa: E402
+import generate  # noqa: E402
+from model import ModelArgs, Transformer, write_atomically
 
 VARIANTS = [  # (precision, quantization); int4 uses --int4_groupsize
     ("fp32", None), ("bf16", None), ("fp32", "int8"), ("fp32", "int4"),
@@ -45,22 +47,21 @@ def random_large_checkpoint(directory: Path, name: str) -> Path:
     for k in state:
         if k.endswith("norm.weight"):
             state[k].fill_(1.0)
-    (directory / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2))
-    tmp = directory / ".model.pth.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    config = json.dumps(args.to_hf_config(), indent=2)
+    write_atomically(directory / "config.json", lambda tmp: tmp.write_text(config))
+    write_atomically(path, lambda tmp: torch.save(state, tmp))
     return path
 
 
 def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transformers: bool) -> list:
     rows = []
     prompt = list(range(3, 3 + args.prompt_tokens))
-    greedy = generate.Sampling(0.0)
+    greedy = decode.Sampling(0.0)
     read_gbs = bandwidth["read_gbs"]
     reference_ids = None
     for precision, quant in VARIANTS:
         path = benchlib.quantized_checkpoint(model_pth, quant, args.int4_groupsize) if quant else model_pth
-        model = generate.load_model(path, "cpu", generate.PRECISIONS[precision])
+        model = generate.load_model(path, "cpu", decode.PRECISIONS[precision])
         nbytes = model.model_bytes()
         modes = ["eager"] if args.no_compile else ["eager", "compile"]
         if precision == "fp32" and quant is None and not args.no_compile:
@@ -69,7 +70,7 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
             compiled = mode != "eager"
             torch._dynamo.reset()
             t = time.perf_counter()
-            engine = generate.compile_engine(model, "cpu", False) if compiled else generate.Engine(model)
+            engine = decode.compile_engine(model, "cpu", False) if compiled else decode.Engine(model)
             torch._inductor.config.freezing = mode == "compile"  # read when the first call compiles
             tps, tokens, _ = benchlib.time_ours(engine, prompt, args.new_tokens, greedy, repeats=args.repeats)
             row = {"model": label, "impl": "ours", "precision": precision, "quant": quant or "-",
@@ -85,7 +86,7 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
         del model
     if with_transformers:
         for precision in ("fp32", "bf16"):
-            hf = benchlib.hf_model(model_pth.parent, generate.PRECISIONS[precision])
+            hf = benchlib.hf_model(model_pth.parent, decode.PRECISIONS[precision])
             nbytes = sum(p.numel() * p.element_size() for p in hf.parameters())
             tps, ids = benchlib.time_transformers(hf, prompt, args.new_tokens, repeats=args.repeats)
             row = {"model": label, "impl": "transformers", "precision": precision, "quant": "-", "compile": "eager",

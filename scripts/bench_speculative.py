@@ -23,9 +23,11 @@ from pathlib import Path
 
 import torch
 
-import benchlib
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+import benchlib  # noqa: E402
 from benchlib import ROOT
-import generate
+import decode  # noqa: E402
+import generate  # noqa: E402
 import speculate
 from tokenizer import get_tokenizer
 
@@ -79,8 +81,7 @@ def merge_stats(runs) -> dict:
 
 
 def drafter_for(draft_model, k, nodes=None, ngram=0, compile_=True):
-    settings = argparse.Namespace(speculate_k=str(k), tree_nodes=nodes, draft_ngram=ngram)
-    drafter = speculate.make_drafter(settings, draft_model, "cpu")
+    drafter = speculate.make_drafter(draft_model, k, nodes, ngram, max_seq_length=4096)
     if compile_:
         drafter.compile("cpu")
     return drafter
@@ -100,7 +101,7 @@ def main(argv=None):
     p.add_argument("--ngram_nodes", type=int, default=16)
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--precision", choices=list(generate.PRECISIONS), default="fp32", help="of target and draft")
+    p.add_argument("--precision", choices=list(decode.PRECISIONS), default="fp32", help="of target and draft")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
@@ -114,20 +115,20 @@ def main(argv=None):
         if not path.is_file():
             sys.exit(f"error: {path} not found: train the pair with python scripts/train_tiny.py --out_dir {args.pair}")
 
-    precision = generate.PRECISIONS[args.precision]
+    precision = decode.PRECISIONS[args.precision]
     target = generate.load_model(target_pth, precision=precision)
     draft = generate.load_model(draft_pth, precision=precision)
     tokenizer = get_tokenizer(args.pair / "target")
     files, code_prompts, copy_prompts = load_prompts(args.pair, tokenizer, args.prompts, args.prompt_tokens,
                                                      args.copy_tokens, target.args.bos_token_id or 1)
     print(f"prompts from {', '.join(f.name for f in files)}", flush=True)
-    engine = generate.compile_engine(target, "cpu", False) if compile_ else generate.Engine(target)
-    draft_engine = generate.compile_engine(draft, "cpu", False) if compile_ else generate.Engine(draft)
+    engine = decode.compile_engine(target, "cpu", False) if compile_ else decode.Engine(target)
+    draft_engine = decode.compile_engine(draft, "cpu", False) if compile_ else decode.Engine(draft)
 
     int8_draft = generate.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"), precision=precision)
 
     rows = []
-    greedy = generate.Sampling(0.0)
+    greedy = decode.Sampling(0.0)
     speeds = benchlib.time_interleaved(engine, {"target": None}, code_prompts, args.new_tokens, greedy, args.repeats)
     speeds.update(benchlib.time_interleaved(draft_engine, {"draft": None}, code_prompts, args.new_tokens, greedy,
                                             args.repeats))
@@ -140,7 +141,7 @@ def main(argv=None):
 
     def measure(task, temperature, prompts, configs):
         """configs: name -> (draft model or None, K, tree nodes or None, n-gram n or 0); plus plain decoding."""
-        sampling = generate.Sampling(temperature)
+        sampling = decode.Sampling(temperature)
         drafters = {"plain": None}
         drafters.update({name: drafter_for(model, k, nodes, ngram, compile_) for name, (model, k, nodes, ngram)
                          in configs.items()})

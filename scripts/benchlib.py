@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 import generate  # noqa: E402
+from model import write_atomically  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def machine() -> dict:
@@ -79,8 +79,6 @@ def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, drafter=None,
     out = {}
 
     def run():
-        if drafter is not None:
-            drafter.reset_stats()
         torch.manual_seed(0)
         out["tokens"], out["stats"] = generate.generate(engine, prompt, new_tokens, sampling, eos_ids=[],
                                                         stop_at_eos=False, drafter=drafter)
@@ -102,8 +100,6 @@ def time_interleaved(engine, drafters: dict, prompts: list, new_tokens: int, sam
         prompt = torch.tensor(ids, device=device)
         for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
             for name, drafter in drafters.items():
-                if drafter is not None:
-                    drafter.reset_stats()
                 torch.manual_seed(0)
                 start = time.perf_counter()
                 tokens, stats = generate.generate(engine, prompt, new_tokens, sampling, eos_ids=[], stop_at_eos=False,
@@ -177,8 +173,5 @@ def fmt(value) -> str:
 
 
 def write_json(path: Path, data: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"))
     print(f"wrote {path}")

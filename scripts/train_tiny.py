@@ -21,7 +21,7 @@ import argparse
 import io
 import json
 import math
-import os
+import sys
 import sysconfig
 import time
 from dataclasses import asdict, dataclass
@@ -31,12 +31,8 @@ import sentencepiece
 import torch
 import torch.nn.functional as F
 
-try:
-    from model import ModelArgs, Transformer
-except ModuleNotFoundError:  # run as `python scripts/train_tiny.py`: model.py is one folder up
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from model import ModelArgs, Transformer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from model import ModelArgs, Transformer, UserError, write_atomically  # noqa: E402
 
 BOS_ID, EOS_ID = 1, 2
 HELDOUT_EVERY = 20  # file i is held out when i % 20 == 10
@@ -106,7 +102,7 @@ def load_corpus(text_dir, max_chars: int):
     else:
         root = Path(text_dir)
         if not root.is_dir():
-            raise SystemExit(f"--text_dir {root} is not a directory: pass a directory of text files")
+            raise UserError(f"--text_dir {root} is not a directory: pass a directory of text files")
         paths = [p for p in root.rglob("*")
                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
     corpus, chars = [], 0
@@ -118,9 +114,9 @@ def load_corpus(text_dir, max_chars: int):
             if max_chars and chars >= max_chars:
                 break
     if not corpus:
-        raise SystemExit(f"no text files under {root}: --text_dir needs a directory with UTF-8 text files (e.g. .py, .txt)")
+        raise UserError(f"no text files under {root}: --text_dir needs a directory with UTF-8 text files (e.g. .py, .txt)")
     if len(corpus) < 2:
-        raise SystemExit(f"only one text file under {root}: need at least two (one is held out for evaluation)")
+        raise UserError(f"only one text file under {root}: need at least two (one is held out for evaluation)")
     return root, corpus
 
 
@@ -153,7 +149,7 @@ def train_tokenizer(train_corpus, vocab_size: int, sample_chars: int) -> bytes:
             unk_id=0, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1, num_threads=1,
             shuffle_input_sentence=False, input_sentence_size=0, max_sentence_length=8192, minloglevel=2)
     except RuntimeError as e:
-        raise SystemExit(f"sentencepiece could not learn {vocab_size} tokens from {chars} characters "
+        raise UserError(f"sentencepiece could not learn {vocab_size} tokens from {chars} characters "
                          f"of text ({e}): give --text_dir more text") from e
     return model.getvalue()
 
@@ -314,19 +310,13 @@ def greedy_agreement(target, draft, stream, newline_id: int, preset: Preset, dev
 
 # ---------------------------------------------------------------------------------------------- main
 
-def write_atomic(path: Path, data: bytes):
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(directory: Path, args: ModelArgs, model: Transformer, tokenizer_bytes: bytes):
     directory.mkdir(parents=True, exist_ok=True)
-    write_atomic(directory / "config.json", (json.dumps(args.to_hf_config(), indent=2) + "\n").encode())
-    write_atomic(directory / "tokenizer.model", tokenizer_bytes)
-    tmp = directory / ".model.pth.tmp"
-    torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, tmp)
-    os.replace(tmp, directory / "model.pth")
+    config = json.dumps(args.to_hf_config(), indent=2) + "\n"
+    write_atomically(directory / "config.json", lambda tmp: tmp.write_text(config))
+    write_atomically(directory / "tokenizer.model", lambda tmp: tmp.write_bytes(tokenizer_bytes))
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    write_atomically(directory / "model.pth", lambda tmp: torch.save(state, tmp))
 
 
 def parse_args(argv=None):
@@ -369,9 +359,10 @@ def run(settings, preset: Preset) -> dict:
     tokenizer = sentencepiece.SentencePieceProcessor(model_proto=tokenizer_bytes)
     train_stream, heldout_stream = token_stream(tokenizer, train_corpus), token_stream(tokenizer, heldout_corpus)
     if len(train_stream) < 2 * preset.seq_len + 2 or len(heldout_stream) < 2 * preset.prompt_len + 2:
-        raise SystemExit(f"too little text under {root} ({len(train_stream)} training tokens): "
+        raise UserError(f"too little text under {root} ({len(train_stream)} training tokens): "
                          f"give --text_dir more text")
-    write_atomic(out / "heldout_files.txt", "".join(f"{path}\n" for path, _ in heldout_corpus).encode())
+    heldout_list = "".join(f"{path}\n" for path, _ in heldout_corpus)
+    write_atomically(out / "heldout_files.txt", lambda tmp: tmp.write_text(heldout_list))
     log(f"text: {len(train_corpus)} files ({len(train_stream)} tokens) for training, {len(heldout_corpus)} "
         f"held out ({len(heldout_stream)} tokens) from {root}; vocab {tokenizer.vocab_size()}; "
         f"{time.perf_counter() - t_start:.1f}s")
@@ -414,7 +405,7 @@ def run(settings, preset: Preset) -> dict:
                        "heldout_ppl": math.exp(losses[name]), "train_seconds": seconds[name],
                        "config": configs[name].to_hf_config()}
     stats["seconds"] = time.perf_counter() - t_start
-    write_atomic(out / "train_stats.json", (json.dumps(stats, indent=2) + "\n").encode())
+    write_atomically(out / "train_stats.json", lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
 
     for name in ("target", "draft"):
         s = stats[name]
@@ -428,4 +419,10 @@ def run(settings, preset: Preset) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

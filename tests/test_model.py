@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from model import KNOWN_CONFIGS, ModelArgs, Transformer, rope_inverse_frequencies
+from model import KNOWN_CONFIGS, ModelArgs, Transformer, UserError, rope_inverse_frequencies
 
 SHAPES = {
     "gqa": dict(dim=64, n_head=4, n_local_heads=2),
@@ -162,9 +162,9 @@ def test_from_name_matches_repo_names(repo, key):
 
 
 def test_unknown_name_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="unknown model 'gpt-neo-x'.*config.json"):
+    with pytest.raises(UserError, match="unknown model 'gpt-neo-x'.*config.json"):
         ModelArgs.from_name("gpt-neo-x")
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(UserError, match="config.json"):
         ModelArgs.from_checkpoint_dir(tmp_path / "some-unknown-model")
 
 
@@ -188,7 +188,7 @@ def test_reads_config_json_as_transformers_writes_it(name):
 
 def test_unsupported_rope_type_is_a_clear_error():
     model = tiny_model(dim=32, n_head=2, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+    with pytest.raises(UserError, match="rope_scaling type 'yarn' is not supported"):
         model.setup_caches(1, 8)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import generate
 import quantize
 import tp
-from conftest import ROOT, write_checkpoint
+from helpers import ROOT, write_checkpoint
 
 
 def sample_weight(n=48, k=256):

@@ -1,10 +1,9 @@
 """tp.py: tensor parallelism over 2 CPU processes (gloo, launched by torchrun) gives the tokens of one process.
 
-Under torchrun this file is also the worker script (see the bottom): every rank compares its sharded
-logits with the unsharded model's and runs generate.main(), and writes what it got, so that the tests
-can compare the ranks with each other and with one process.
+tests/tp_worker.py runs under torchrun: every rank compares its sharded logits with the unsharded model's
+and runs generate.main(), and writes what it got, so that the tests can compare the ranks with each other
+and with one process.
 """
-import functools
 import json
 import os
 import subprocess
@@ -14,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, copy_checkpoint, write_checkpoint  # first: it puts the repository on sys.path (also for the worker)
 import generate
+from helpers import ROOT, copy_checkpoint, write_checkpoint
 
 PROMPT = "def main(): return main() if main else main(main(main("
 
@@ -91,7 +90,7 @@ def quantized_targets(tmp_path_factory, random_target) -> dict:
 
 @pytest.fixture(scope="module")
 def worker_runs(tmp_path_factory, random_target, close_draft, odd_vocab_target, quantized_targets):
-    """One torchrun launch of 2 ranks (this file is the worker): the logits of both targets, and
+    """One torchrun launch of 2 ranks (tests/tp_worker.py): the logits of both targets, and
     generate.main() runs; what each rank got."""
     out = tmp_path_factory.mktemp("tp_worker")
     runs = {"sampled_chain": cli(random_target, *SAMPLED, *chain(close_draft)),
@@ -100,7 +99,7 @@ def worker_runs(tmp_path_factory, random_target, close_draft, odd_vocab_target, 
             "greedy_ngram": cli(random_target, "--temperature", 0, "--draft_ngram", 2, "--speculate_k", 3,
                                 "--tree_nodes", 4, "--num_samples", 2)}
     runs["greedy_int4"] = cli(quantized_targets["int4"], "--temperature", 0, *chain(close_draft))
-    torchrun(__file__, out, json.dumps([str(random_target), str(odd_vocab_target)]), json.dumps(runs))
+    torchrun(ROOT / "tests/tp_worker.py", out, json.dumps([str(random_target), str(odd_vocab_target)]), json.dumps(runs))
     return runs, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -203,41 +202,3 @@ def test_world_size_that_does_not_split_the_heads_is_refused(tokenizer_model, tm
         assert line == ("error: tensor parallelism over 2 ranks needs n_kv_heads=3 to be a multiple of 2: launch "
                         "torchrun with a total of N ranks (--nproc_per_node x --nnodes), N in [3]")
     assert "UserError" not in result.stderr and 'generate.py", line' not in result.stderr
-
-
-# ----------------------------------------------------------------------------- the worker (under torchrun)
-
-def worker(out_dir, checkpoints, runs):
-    import tp
-    rank, world_size = tp.init_distributed("cpu")
-    shard = functools.partial(tp.apply_tp, rank=rank, world_size=world_size)
-    report = {"logits": {}, "runs": {}}
-    for checkpoint in json.loads(checkpoints):
-        single, sharded = generate.load_model(checkpoint), generate.load_model(checkpoint, shard=shard)
-        attention = sharded.layers[0].attention
-        report["logits"][checkpoint] = {
-            "single": forward_and_decode(single), "tp": forward_and_decode(sharded),
-            "q_heads": attention.n_head, "kv_heads": attention.kv_cache.k_cache.shape[1],
-            "output_rows": sharded.output.weight.shape[0]}
-    for name, argv in json.loads(runs).items():
-        report["runs"][name] = generate.main(argv)
-    torch.save(report, Path(out_dir) / f"rank{rank}.pt")
-
-
-def forward_and_decode(model) -> list:
-    """Logits of a 2-row, 7-token prefill and of 3 one-token decode steps, on fixed random tokens."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.args.vocab_size
-    model.setup_caches(2, 16)
-    with torch.no_grad():
-        logits = [model(torch.randint(vocab, (2, 7), generator=generator), torch.arange(7).repeat(2, 1))]
-        for pos in range(7, 10):
-            logits.append(model(torch.randint(vocab, (2, 1), generator=generator), torch.full((2, 1), pos)))
-    return logits
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    worker(*sys.argv[1:])
-    import tp
-    tp.end_process()

@@ -4,7 +4,7 @@ import json
 import torch
 
 import generate
-from conftest import ROOT
+from helpers import ROOT
 
 
 def test_pair_layout_and_stats(trained_pair):

@@ -9,13 +9,12 @@ import random
 import pytest
 import torch
 
-from conftest import ROOT  # noqa: F401  (first: it puts the repository on sys.path)
 import generate
 import speculate
-from generate import Sampling
+from decode import Sampling
+from helpers import (DRAWS, PROMPTS, REJECT_BELOW, copy_checkpoint, lossless_pvalues, plain_greedy, run,
+                     speculative, tokens)
 from model import ModelArgs, Transformer
-from test_speculative import (DRAWS, PROMPTS, REJECT_BELOW, T07_TOPK_TOPP, T1, copy_checkpoint, lossless_pvalues,
-                              plain_greedy, run, speculative, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +128,12 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
 
     speculator.candidates = recorded
     pos, root = len(prompt), 42
-    tree = speculator.draft(root, pos, 3, prompt + [root], Sampling())
+    tree, _ = speculator.draft(root, pos, 3, prompt + [root], Sampling())
     # a depth-2 node the draft read (it expanded it), or a depth-3 node it drafted but never read
-    ends = [i for i, d in enumerate(tree.depths) if d == 2 and i in speculator.kept_draft_slot] if last_node_fed \
+    ends = [i for i, d in enumerate(tree.depths) if d == 2 and tree.draft_slots[i] is not None] if last_node_fed \
         else [i for i, d in enumerate(tree.depths) if d == 3]
     path = branch(tree.parents, ends[-1])[1:]
-    assert speculator.kept_draft_slot[path[1]] != pos + 2  # its keys/values are not where they belong
+    assert tree.draft_slots[path[1]] != pos + 2  # its keys/values are not where they belong
     speculator.accepted(path, tree, pos)
     assert speculator.pending == ([] if last_node_fed else [tree.tokens[path[-1]]])
 
@@ -160,12 +159,12 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
     prompt = [1, 17, 33, 250, 42, 5, 6, 7, 90, 11]
     speculator.start(torch.tensor(prompt), 64)
     pos, root = len(prompt), 42  # the lookup proposes 5, 6, 7: what followed 42 before
-    tree = speculator.draft(root, pos, 3, prompt + [root], Sampling())
+    tree, _ = speculator.draft(root, pos, 3, prompt + [root], Sampling())
     path, node = [], 0
     for token in (5, 6, 7):
         node = next(c for c in tree.children()[node] if tree.tokens[c] == token)
         path.append(node)
-    assert not any(n in speculator.kept_draft_slot for n in path)  # only the lookup proposed them
+    assert all(tree.draft_slots[n] is None for n in path)  # only the lookup proposed them
     speculator.accepted(path, tree, pos)
     assert speculator.pending == [5, 6, 7]
     reads = []
@@ -176,9 +175,8 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
 
     speculator.candidates = recorded
     sequence, root = prompt + [42, 5, 6, 7], 99
-    forwards = speculator.draft_forwards
-    speculator.draft(root, len(sequence), 3, sequence + [root], Sampling())
-    assert speculator.draft_forwards == forwards + 1 + 3  # the looked-up tokens, then root and two depths
+    _, forwards = speculator.draft(root, len(sequence), 3, sequence + [root], Sampling())
+    assert forwards == 1 + 3  # the looked-up tokens, then root and two depths
     fed, logits = reads[0]
     assert fed.tolist() == [[7, root]]
     torch.testing.assert_close(logits[0], full_forward(fresh, sequence + [root])[-2:], rtol=1e-5, atol=1e-5)
@@ -240,12 +238,18 @@ def test_acceptance_table_learns_which_children_the_verifier_accepts():
     dozen steps the second child outranks the first, with estimates near the observed rates."""
     table = speculate.AcceptanceTable(width=2)
     logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
-    [(first, second)] = table.children(logits, Sampling(), 2)
+
+    def children():
+        return table.rank(*(t.tolist() for t in speculate.greedy_candidates(logits, 2)))
+
+    [(first, second)] = children()
     assert (first[0], second[0]) == (0, 1) and first[1] > second[1]  # before any evidence: the draft's order
-    tree = speculate.Tree([9, 0, 1], [-1, 0, 0], [0, 1, 1], [None] * 3)
+    tree = speculate.Tree.rooted_at(9)
+    tree.add(0, 0, cell=first[2])
+    tree.add(1, 0, cell=second[2])
     for _ in range(50):
-        table.observe(tree, [None, first[2], second[2]], [2])
-    [(first, second)] = table.children(logits, Sampling(), 2)
+        table.observe(tree, [2])
+    [(first, second)] = children()
     assert (first[0], second[0]) == (0, 1)
     assert math.exp(second[1]) > 0.85 and math.exp(first[1]) < 0.15
 
@@ -261,30 +265,67 @@ def test_ngram_greedy_identical_to_plain_decoding(random_target, extra, prompt):
     assert tokens(run(random_target, "--ignore_eos", *extra, prompt=prompt, n=7)) == plain_greedy(random_target, prompt, 40)[:7]
 
 
-# ----------------------------------------------------------------------------- sampling is lossless
+# ----------------------------------------------------------------------------- sampled trees are lossless
+#
+# The chi-square test of test_speculative.py (20,000 draws of the two tokens after a fixed prefix, against the
+# target's distribution by enumeration) with a depth-2 tree of 6 nodes: 3 children drawn without replacement
+# per expanded node (12 drafted, 6 kept), verified one after another against the residual; optionally with
+# an n-gram lookup's deterministic branch merged in at the root. The draft is noisy and confident, so the
+# first child is often rejected and the later siblings decide a large share of the tokens. Each broken
+# variant must be rejected.
 
-real_residual = speculate.residual
+FAR_DRAFT = (1.0, 4.0)  # noise and sharpening of the draft (helpers.tiny_tables)
+
+real_sampled_children = speculate.DraftModelSpeculator.sampled_children
+real_without = speculate.without
 
 
-def sibling_residual_kept(p, q, x):
-    """Broken: after a deterministic child (a sibling) is rejected, its siblings and the final sample are
-    checked against the unchanged p instead of the residual (p with the rejected token removed)."""
-    return p if q is None else real_residual(p, q, x)
+def drawn_with_replacement(self, logits, sampling, exclude=()):
+    """Broken: siblings drawn independently (with replacement), verified as if drawn without."""
+    children = real_sampled_children(self, logits, sampling, exclude)
+    q = children[0][1]
+    return [(int(speculate.sample_from(q)), q, score, cell) for _, _, score, cell in children]
 
 
-TREE_CASES = {  # name: (sampling, broken residual or None)
-    "temperature 1": (T1, None),
-    "temperature 0.7, top-k, top-p": (T07_TOPK_TOPP, None),
-    "broken: sibling residual": (T1, sibling_residual_kept),
+def kept_by_their_own_values(self, logits, sampling, exclude=()):
+    """Broken: children scored by their own draft probability, so the tree_nodes cut looks at the draws."""
+    return [(token, q, float(q[token].log()), cell) for token, q, _, cell in
+            real_sampled_children(self, logits, sampling, exclude)]
+
+
+def not_renormalized(q, tokens):
+    """Broken: the earlier siblings are removed from q_i, but q_i is not renormalized."""
+    if q is None or not tokens:
+        return q
+    return q.index_fill(0, torch.tensor(tokens), 0)
+
+
+def lookups_not_excluded(self, logits, sampling, exclude=()):
+    """Broken: the root's children are drawn from q, but verified as if drawn with the looked-up tokens excluded."""
+    excluded = real_without(speculate.logits_to_probs(logits, sampling), list(exclude))
+    return [(token, excluded, score, cell) for token, _, score, cell in real_sampled_children(self, logits, sampling)]
+
+
+T1, T07_TOPK_TOPP, T05_TOPP = Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.9), Sampling(0.5, top_p=0.8)
+NEAR_DRAFT = (0.5, 2.0)  # closer to the target: it draws the looked-up token often enough to expose that bug
+TREE_CASES = {  # name: (sampling, n-gram n, (what to break, broken function) or None, draft)
+    "temperature 1": (T1, 0, None, FAR_DRAFT),
+    "temperature 0.7, top-k, top-p": (T07_TOPK_TOPP, 0, None, FAR_DRAFT),
+    "temperature 0.5, top-p": (T05_TOPP, 0, None, FAR_DRAFT),
+    "temperature 1, merged 2-gram lookups": (T1, 2, None, FAR_DRAFT),
+    "temperature 0.7, top-k, top-p, merged 2-gram lookups": (T07_TOPK_TOPP, 2, None, FAR_DRAFT),
+    "broken: siblings drawn with replacement": (T1, 0, ("sampled_children", drawn_with_replacement), FAR_DRAFT),
+    "broken: kept by their own values": (T1, 0, ("sampled_children", kept_by_their_own_values), FAR_DRAFT),
+    "broken: q_i not renormalized": (T1, 0, ("without", not_renormalized), FAR_DRAFT),
+    "broken: looked-up tokens not excluded from the draws": (T1, 2, ("sampled_children", lookups_not_excluded),
+                                                             NEAR_DRAFT),
 }
 
 
 @pytest.mark.parametrize("case", TREE_CASES)
-def test_tree_sampling_is_lossless(case, monkeypatch):
-    """The chi-square test of test_speculative.py with a depth-2 tree of 6 nodes (3 candidates per
-    expanded node, verified one after another against the residual) instead of a chain."""
-    sampling, broken = TREE_CASES[case]
-    seen = {"most root children": 0, "later sibling accepted": 0}
+def test_sampled_tree_is_lossless(case, monkeypatch):
+    sampling, ngram, breakage, draft = TREE_CASES[case]
+    seen = {"most root children": 0, "later sibling accepted": 0, "looked-up child tried": 0}
     verify = speculate.verify
 
     def watched_verify(tree, target_probs):
@@ -292,25 +333,18 @@ def test_tree_sampling_is_lossless(case, monkeypatch):
         children = tree.children()[0]
         seen["most root children"] = max(seen["most root children"], len(children))
         seen["later sibling accepted"] += bool(path) and path[0] != children[0]
+        seen["looked-up child tried"] += any(tree.proposals[child] is None for child in children)
         return path, token
 
     monkeypatch.setattr(speculate, "verify", watched_verify)
-    if broken is not None:
-        monkeypatch.setattr(speculate, "residual", broken)
-    pvalues, accept_counts = lossless_pvalues(6, sampling)
-    if broken is None:
+    if breakage is not None:
+        name, broken = breakage
+        monkeypatch.setattr(speculate if name == "without" else speculate.DraftModelSpeculator, name, broken)
+    pvalues, accept_counts = lossless_pvalues(6, sampling, ngram, draft=draft)
+    if breakage is None:
         assert min(pvalues.values()) > REJECT_BELOW, pvalues
-        assert seen["most root children"] >= 3 and seen["later sibling accepted"] > 0.05 * DRAWS, seen
-        assert accept_counts[0] > 0 and accept_counts[2] > 0
+        assert seen["most root children"] >= 3 and seen["later sibling accepted"] > 0.01 * DRAWS, seen
+        assert accept_counts[0] > 0 and sum(accept_counts[1:]) > 0
+        assert (seen["looked-up child tried"] > 0.5 * DRAWS) == (ngram > 0), seen  # the lookup's branch was in the tree
     else:
         assert min(pvalues.values()) < REJECT_BELOW, pvalues
-
-
-def test_tree_at_temperature_above_zero_advises_a_chain(random_target, near_draft, capsys):
-    args = ["--checkpoint_path", random_target, "--draft_checkpoint_path", near_draft, "--prompt", PROMPTS[0],
-            "--max_new_tokens", 4, "--num_samples", 1, "--speculate_k", 3]
-    generate.main([*map(str, args), "--tree_nodes", "6", "--temperature", "0.8"])
-    assert "--tree_nodes equal to --speculate_k" in capsys.readouterr().err
-    generate.main([*map(str, args), "--temperature", "0.8"])
-    generate.main([*map(str, args), "--tree_nodes", "6", "--temperature", "0"])
-    assert "--tree_nodes equal to --speculate_k" not in capsys.readouterr().err

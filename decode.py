@@ -1,0 +1,138 @@
+"""Decoding with one model: sampling (temperature, top-k, top-p), prefill, one-token decode, the compiled engine.
+
+    engine = compile_engine(model, "cpu", compile_prefill=True)   # or Engine(model) for eager
+    first, finite = engine.prefill(model, prompt_ids, positions, Sampling(0.7, top_k=200))
+    tokens = decode_n_tokens(engine, first, pos, 100, Sampling(0.7, top_k=200), eos_ids, stop_at_eos=True)
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from model import Transformer
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 means exact argmax
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def logits_to_probs(logits: Tensor, sampling: Sampling) -> Tensor:
+    """The warped distribution actually sampled from: temperature, then top-k, then top-p.
+    Temperature 0 gives the one-hot argmax, so greedy decoding is the same code as sampling."""
+    logits = logits.float()
+    if sampling.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= sampling.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def sample_from(probs: Tensor) -> Tensor:
+    # exponential race: argmax(p / E), E ~ Exp(1), draws index i with probability p_i, without a host sync
+    noise = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def sample(logits: Tensor, sampling: Sampling):
+    probs = logits_to_probs(logits, sampling)
+    return sample_from(probs), probs
+
+
+# ----------------------------------------------------------------------------- prefill and one-token decode
+
+def prefill(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling):
+    """Run the prompt [B, T] through the model, fill the cache; return the first new token [B] and whether
+    the last logits are all finite (a bool tensor: broken weights give NaN, which sampling cannot see)."""
+    logits = model(x, input_pos)[:, -1]
+    return sample(logits, sampling)[0], torch.isfinite(logits).all()
+
+
+def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling):
+    """x, input_pos: [B, 1]; returns the next token [B] and the distribution it came from [B, V]."""
+    logits = model(x, input_pos)
+    return sample(logits[:, -1], sampling)
+
+
+@dataclass
+class Engine:
+    """A model with the callables that run it; compiled ones when asked."""
+    model: Transformer
+    prefill: callable = prefill
+    decode_one_token: callable = decode_one_token
+    forward: callable = None  # multi-token scoring with an explicit mask (speculative verification)
+
+    def __post_init__(self):
+        if self.forward is None:
+            self.forward = self.model
+
+
+def compile_engine(model: Transformer, device: str, compile_prefill: bool) -> Engine:
+    """Decode: one static-shape graph (CUDA graphs on GPU). Prefill: one dynamic-shape graph.
+    On CPU, inductor's freezing folds the weights into the graph as constants (and lets it pre-pack them
+    for the matmul kernels); it applies only to graphs traced without autograd, which is why every
+    generation runs under torch.no_grad(). Graphs are specialized on the model object, so a target and a
+    draft of the same shape get graphs of their own (tests/test_decode.py checks it)."""
+    import torch._inductor.config as inductor_config
+    if device == "cpu":
+        inductor_config.freezing = True
+    inductor_config.coordinate_descent_tuning = device != "cpu"
+    inductor_config.triton.unique_kernel_names = True
+    inductor_config.fx_graph_cache = True  # a second run of the same model reuses the compiled kernels
+    mode = "reduce-overhead" if device.startswith("cuda") else None
+    engine = Engine(model)
+    engine.decode_one_token = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
+    engine.forward = torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
+    if compile_prefill:
+        engine.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+    return engine
+
+
+EOS_CHECK_EVERY = 8  # plain decode looks at the host for EOS this often (a device->host sync each time)
+
+
+def decode_n_tokens(engine: Engine, token: Tensor, pos: int, n: int, sampling: Sampling,
+                    eos_ids: list, stop_at_eos: bool, callback=None) -> list:
+    """Plain autoregressive decoding of up to n tokens after `token` ([B], already sampled, at position pos).
+    Returns the new tokens, a list of [B] tensors. Rows are checked for EOS every EOS_CHECK_EVERY tokens
+    (and every token when a callback streams them), so the loop does not wait on the device each token;
+    the caller truncates each row after its first EOS."""
+    batch = token.shape[0]
+    out = []
+    eos = torch.tensor(eos_ids or [-1], device=token.device)
+    done = torch.zeros(batch, dtype=torch.bool, device=token.device)
+    for i in range(n):
+        input_pos = torch.full((batch, 1), pos + i, device=token.device, dtype=torch.long)
+        with sdpa_context():
+            token, _ = engine.decode_one_token(engine.model, token.view(batch, 1), input_pos, sampling)
+        token = token.clone()
+        out.append(token)
+        if callback:
+            callback(token)
+        if stop_at_eos:
+            done |= torch.isin(token, eos)
+            if (callback or (i + 1) % EOS_CHECK_EVERY == 0) and bool(done.all()):
+                break
+    return out
+
+
+def sdpa_context():
+    if torch.cuda.is_available():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return contextlib.nullcontext()

@@ -1,0 +1,164 @@
+"""A real pretrained model, end to end, in one process run: our decode (fp32, bf16, int8, int4; compiled),
+speculative decoding with the model's own int4 copy as the draft and with n-gram lookups, against
+transformers' generate() (plain and prompt_lookup_num_tokens) and llama.cpp on the GGUF the model came from
+(llama-cpp-python, if installed; same threads).
+
+    python scripts/bench_real.py                      # SmolLM2-135M-Instruct from scripts/demo.sh
+    python scripts/bench_real.py --checkpoint_dir DIR --gguf FILE.gguf --json bench_results/real.json
+
+Configurations take turns run by run (best of --repeats after a warm-up), so a machine slowing down
+hurts them alike. Greedy, exactly --new_tokens tokens after a chat-formatted question; the first run of
+each of our configurations compiles, and its time is reported as compile seconds (cold: a fresh inductor
+cache directory unless --warm_cache).
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+import benchlib  # noqa: E402
+from benchlib import ROOT  # noqa: E402
+import decode  # noqa: E402
+import generate  # noqa: E402
+import speculate  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
+
+QUESTIONS = ["What is the capital of France? Answer in two sentences.",
+             "Write a Python function that returns the n-th Fibonacci number.",
+             "Explain what a KV cache is in a transformer, briefly."]
+
+
+def ours(model, drafter_model=None, k=5, nodes=None, ngram=0):
+    """A run function for one of our configurations: compiled target (and drafter)."""
+    engine = decode.compile_engine(model, "cpu", compile_prefill=True)
+    drafter = speculate.make_drafter(drafter_model, k, nodes, ngram, model.args.block_size) \
+        if drafter_model is not None or ngram else None
+    if drafter is not None:
+        drafter.compile("cpu")
+    stats = {}
+
+    def run(ids, new_tokens):
+        tokens, s = generate.generate(engine, torch.tensor(ids), new_tokens, decode.Sampling(), [], stop_at_eos=False,
+                                      drafter=drafter)
+        stats.update(s)
+        return tokens[0]
+    return run, stats
+
+
+def transformers_run(checkpoint_dir: Path, **kwargs):
+    model = benchlib.hf_model(checkpoint_dir)
+
+    def run(ids, new_tokens):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0, **kwargs)
+        return out[0, len(ids):].tolist()
+    return run, {}
+
+
+def llama_cpp_run(gguf: Path, threads: int):
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+
+    def run(ids, new_tokens):
+        out = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):  # greedy; EOS does not stop it
+            out.append(token)
+            if len(out) == new_tokens:
+                break
+        return out
+    return run, {}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint_dir", type=Path, default=ROOT / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--gguf", type=Path, default=ROOT / "checkpoints/gguf/SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch and llama.cpp threads (default: every core)")
+    p.add_argument("--warm_cache", action="store_true", help="keep inductor's cache (default: cold compile)")
+    p.add_argument("--only", default="", help="comma-separated configuration names to run (default: all)")
+    p.add_argument("--json", type=Path, default=ROOT / "bench_results/real.json")
+    args = p.parse_args(argv)
+    threads = args.threads or os.cpu_count()
+    torch.set_num_threads(threads)
+    torch._dynamo.config.cache_size_limit = 64
+    if not args.warm_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
+    model_pth = args.checkpoint_dir / "model.pth"
+    if not model_pth.is_file():
+        sys.exit(f"error: {model_pth} not found: run bash scripts/demo.sh (or convert a checkpoint) first")
+    tokenizer = get_tokenizer(args.checkpoint_dir)
+    prompts = [tokenizer.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    load = generate.load_model
+    int4_pth = benchlib.quantized_checkpoint(model_pth, "int4", 32)
+    int8_pth = benchlib.quantized_checkpoint(model_pth, "int8")
+
+    configs = {  # name -> a function building (run, stats); built lazily, in turn order
+        "ours fp32": lambda: ours(load(model_pth)),
+        "ours bf16": lambda: ours(load(model_pth, precision=torch.bfloat16)),
+        "ours int8": lambda: ours(load(int8_pth)),
+        "ours int4 g32": lambda: ours(load(int4_pth)),
+        "ours fp32, int4 draft chain K=5": lambda: ours(load(model_pth), load(int4_pth), 5),
+        "ours fp32, int4 draft tree N=12 K=4": lambda: ours(load(model_pth), load(int4_pth), 4, 12),
+        "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3),
+        "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4),
+        "transformers fp32": lambda: transformers_run(args.checkpoint_dir),
+        "transformers fp32, prompt lookup": lambda: transformers_run(args.checkpoint_dir, prompt_lookup_num_tokens=5),
+    }
+    try:
+        import llama_cpp  # noqa: F401
+        if args.gguf.is_file():
+            configs[f"llama.cpp {args.gguf.name.split('.')[-2]}"] = lambda: llama_cpp_run(args.gguf, threads)
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp column", flush=True)
+    if args.only:
+        wanted = set(args.only.split(","))
+        configs = {name: build for name, build in configs.items() if name in wanted}
+
+    built, compile_seconds, best, outputs = {}, {}, {}, {}
+    for name, build in configs.items():  # build and warm up (compile) each, timing the first run
+        t = time.perf_counter()
+        built[name] = build()
+        for ids in prompts:
+            outputs[name] = built[name][0](ids, args.new_tokens)
+        compile_seconds[name] = time.perf_counter() - t
+        best[name] = [float("inf")] * len(prompts)
+        print(f"  {name}: ready in {compile_seconds[name]:.1f} s", flush=True)
+    for _ in range(args.repeats):
+        for i, ids in enumerate(prompts):
+            for name, (run, _) in built.items():
+                t = time.perf_counter()
+                run(ids, args.new_tokens)
+                best[name][i] = min(best[name][i], time.perf_counter() - t)
+    rows, plain = [], None
+    for name, (run, stats) in built.items():
+        tps = len(prompts) * args.new_tokens / sum(best[name])
+        plain = plain or (tps if name == "ours fp32" else None)
+        row = {"config": name, "tokens_per_sec": tps, "setup_seconds": compile_seconds[name]}
+        if stats.get("accept_counts"):
+            row["tokens_per_target_forward"] = stats["tokens_per_target_forward"]
+        if "ours fp32" in outputs:  # greedy ids of the last prompt, token for token
+            row["same_as_ours_fp32"] = outputs[name] == outputs["ours fp32"]
+        rows.append(row)
+    reference = next((r["tokens_per_sec"] for r in rows if r["config"] == "transformers fp32"), None)
+    llama = next((r["tokens_per_sec"] for r in rows if r["config"].startswith("llama.cpp")), None)
+    for row in rows:
+        row["x_ours_fp32"] = row["tokens_per_sec"] / plain if plain else None
+        row["x_transformers_fp32"] = row["tokens_per_sec"] / reference if reference else None
+        row["x_llama_cpp"] = row["tokens_per_sec"] / llama if llama else None
+    print()
+    benchlib.print_table(rows, ["config", "tokens_per_sec", "x_ours_fp32", "x_transformers_fp32", "x_llama_cpp",
+                                "tokens_per_target_forward", "same_as_ours_fp32", "setup_seconds"])
+    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": rows,
+                                    "settings": {k: str(v) for k, v in vars(args).items()}})
+
+
+if __name__ == "__main__":
+    main()

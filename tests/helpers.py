@@ -1,0 +1,357 @@
+"""What several test files share: checkpoints built on the spot, generate.py runs, and the chi-square
+machinery of the lossless-sampling tests."""
+import functools
+import importlib
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+import generate
+import speculate
+from decode import Engine, Sampling, logits_to_probs
+from model import ModelArgs, Transformer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def train_tokenizer(prefix: Path, vocab_size: int) -> Path:
+    import sentencepiece as spm
+    text = Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.splitlines()), model_prefix=str(prefix),
+                                   vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+                                   num_threads=1, minloglevel=2)
+    return prefix.with_suffix(".model")
+
+
+def write_checkpoint(directory: Path, tokenizer_model: Path, seed: int = 0, **model_args) -> Path:
+    """A checkpoint dir in the DESIGN.md layout with random weights; returns the model.pth path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    args = ModelArgs(**model_args)
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    (directory / "config.json").write_text(json.dumps(args.to_hf_config()))
+    (directory / "tokenizer.model").write_bytes(tokenizer_model.read_bytes())
+    torch.save(model.state_dict(), directory / "model.pth")
+    return directory / "model.pth"
+
+
+def copy_checkpoint(source, directory, noise=0.0, sharpen=1.0, seed=0, **config):
+    """A checkpoint directory with `source`'s weights plus Gaussian noise (`noise` times each tensor's std),
+    its output layer scaled by `sharpen` (more confident, same argmax), and config.json entries replaced."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source.parent / "tokenizer.model", directory)
+    hf_config = json.loads((source.parent / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(hf_config, **config)))
+    generator = torch.Generator().manual_seed(seed)
+    state = {name: w + noise * w.std() * torch.randn(w.shape, generator=generator)
+             for name, w in torch.load(source, weights_only=True).items()}
+    state["output.weight"] = state["output.weight"] * sharpen
+    torch.save(state, directory / "model.pth")
+    return directory / "model.pth"
+
+
+
+# ----------------------------------------------------------------------------- generate.py runs
+
+PROMPTS = ("def main(", "Hello, my name is")
+
+
+def run(target, *extra, prompt=PROMPTS[0], n=29):
+    return generate.main(["--checkpoint_path", str(target), "--prompt", prompt, "--max_new_tokens", str(n),
+                          "--num_samples", "1", "--temperature", "0", *map(str, extra)])
+
+
+def speculative(target, draft, k, *extra, prompt=PROMPTS[0], n=29):
+    return run(target, "--draft_checkpoint_path", draft, "--speculate_k", k, *extra, prompt=prompt, n=n)
+
+
+def tokens(stats: dict) -> list:
+    return stats["samples"][0]["tokens"]
+
+
+@functools.lru_cache(maxsize=None)
+def plain_greedy(target, prompt=PROMPTS[0], n=40) -> list:
+    """The target's own greedy continuation (no draft), computed once per target and prompt."""
+    return tokens(run(target, "--ignore_eos", prompt=prompt, n=n))
+
+
+
+# ----------------------------------------------------------------------------- lossless sampling: chi-square
+VOCAB = 32
+PREFIX, FIRST = [1, 7, 5, 9, 3], 7  # the prompt, and the token the target emitted at prefill (7 -> 5 9 recurs:
+# an n-gram lookup proposes it)
+DRAWS = 20_000
+REJECT_BELOW = 1e-6  # a correct sampler fails one check with probability 1e-6; the broken ones score < 1e-15
+
+
+class TableModel:
+    """Stands in for a Transformer inside the speculative loop, so that 20,000 draws take seconds, not
+    minutes: its forward returns, for each query, the logits the real tiny Transformer `model` gives for
+    the context that query sees, read from tables filled by one batched forward over every continuation
+    of PREFIX + [FIRST] by up to `depth` tokens.
+
+    Its "KV cache" holds the (token, position) written at each slot. The mask the loop passes (or the
+    causal default) decides which slots a query sees, and speculate.move_cache_slots compacts them as it
+    does real keys and values; a query that sees positions other than 0, 1, 2, ... is an error."""
+
+    def __init__(self, model: Transformer, depth: int):
+        n = len(PREFIX)
+        tails = torch.cartesian_prod(*[torch.arange(VOCAB)] * depth).view(-1, depth)
+        sequences = torch.cat([torch.tensor(PREFIX + [FIRST]).expand(len(tails), -1), tails], 1)
+        model.setup_caches(len(sequences), sequences.shape[1])
+        with torch.no_grad():
+            logits = model(sequences, torch.arange(sequences.shape[1]).expand_as(sequences))
+        logits = logits.view(*[VOCAB] * depth, n + 1 + depth, VOCAB)
+        self.prompt_logits = logits[(0,) * depth][:n].clone()  # [n, vocab]: after each prompt prefix
+        # levels[k][tail]: logits after PREFIX + [FIRST] + tail, for tails of k tokens
+        self.levels = [logits[(slice(None),) * k + (0,) * (depth - k) + (n + k,)].clone() for k in range(depth + 1)]
+        self.rows = {}
+        self.tok_embeddings = SimpleNamespace(weight=torch.empty(0))  # the speculator reads its .device
+        self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        if max_seq_length <= self.max_seq_length:
+            return
+        self.max_seq_length = max_seq_length
+        self.cache = SimpleNamespace(k_cache=torch.full((1, 1, max_seq_length, 2), -1),
+                                     v_cache=torch.zeros(1, 1, max_seq_length))
+        self.layers = [SimpleNamespace(attention=SimpleNamespace(kv_cache=self.cache))]
+
+    def logits(self, context: tuple):
+        row = self.rows.get(context)
+        if row is None:
+            n = len(PREFIX)
+            if len(context) <= n:
+                assert list(context) == PREFIX[:len(context)], context
+                row = self.prompt_logits[len(context) - 1]
+            elif list(context[:n]) == PREFIX and context[n] != FIRST and len(context) == n + 1:
+                row = torch.zeros(VOCAB)  # a padding node (speculate.Tree.pad_to): sees the prefix and itself only
+            else:
+                assert list(context[:n + 1]) == PREFIX + [FIRST] and len(context) - n - 1 < len(self.levels), context
+                row = self.levels[len(context) - n - 1][context[n + 1:]]
+            self.rows[context] = row
+        return row
+
+    def __call__(self, idx, input_pos, slots=None, mask=None):
+        slots = input_pos if slots is None else slots
+        self.cache.k_cache[0, 0, slots[0]] = torch.stack([idx[0], input_pos[0]], -1)
+        written = self.cache.k_cache[0, 0].tolist()
+        if mask is None:  # the model's default: causal over slots
+            seen = [range(slot + 1) for slot in slots[0].tolist()]
+        else:
+            seen = [[j for j, visible in enumerate(row) if visible] for row in mask[0, 0].tolist()]
+        rows = []
+        for visible in seen:
+            context, positions = zip(*(written[j] for j in visible))
+            assert positions == tuple(range(len(positions))), f"a query sees the positions {positions}"
+            rows.append(self.logits(context))
+        return torch.stack(rows).unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tables(draft_noise: float = 0.5, draft_sharpen: float = 2.0):
+    """(target, draft) TableModels of two tiny-vocabulary Transformers. The draft is deliberately different:
+    the target's weights with heavy noise (by default it proposes the target's token about half the time);
+    a noisier, more confident draft gets many first children rejected, which puts the later siblings to work."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=16, n_layer=2, n_head=2, n_local_heads=1, intermediate_size=32, vocab_size=VOCAB,
+                     block_size=64)
+    target, draft = Transformer(args).requires_grad_(False), Transformer(args).requires_grad_(False)
+    draft.load_state_dict({name: w + draft_noise * w.std() * torch.randn_like(w)
+                           for name, w in target.state_dict().items()})
+    target.output.weight.mul_(3.0)
+    draft.output.weight.mul_(draft_sharpen)
+    return TableModel(target, depth=3), TableModel(draft, depth=2)
+
+
+def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed: int = 0, draft=(0.5, 2.0)):
+    """The two tokens after PREFIX + [FIRST] from the real speculative loop (depth 2), DRAWS times, and the
+    summed accept_counts of its verify steps. ngram > 0 merges an n-gram lookup's branches into the tree
+    (it looks only at the prompt and the output so far: each draw starts a fresh lookup)."""
+    target, draft_model = tiny_tables(*draft)
+    speculator = speculate.DraftModelSpeculator(draft_model, 2, tree_nodes, ngram=ngram)
+    prompt, first = torch.tensor(PREFIX), torch.tensor([FIRST])
+    target.setup_caches(1, len(PREFIX) + 3 + speculator.lookahead + 1)
+    target(prompt.view(1, -1), torch.arange(len(PREFIX)).view(1, -1))  # the prefill
+    engine = Engine(target)
+    torch.manual_seed(seed)
+    draws, accept_counts = [], [0, 0, 0]
+    for _ in range(DRAWS):
+        if ngram:
+            speculator.lookup = speculate.Lookup(ngram)
+        ids, stats = speculator.generate(engine, prompt, first, 3, sampling, eos_ids=[], stop_at_eos=False)
+        draws.append(ids[0][1:])
+        accept_counts = [a + b for a, b in zip(accept_counts, stats["accept_counts"])]
+    return torch.tensor(draws), accept_counts
+
+
+def exact_target(sampling: Sampling):
+    """The target's p(x1) and p(x1, x2) = p(x1) p(x2 | x1) after PREFIX + [FIRST], by enumeration."""
+    target, _ = tiny_tables()
+    context = tuple(PREFIX + [FIRST])
+    p1 = logits_to_probs(target.logits(context), sampling).double()
+    p2 = torch.stack([logits_to_probs(target.logits(context + (a,)), sampling) for a in range(VOCAB)]).double()
+    return p1, p1[:, None] * p2
+
+
+def chi_square_pvalue(counts, probs) -> float:
+    """Pearson's test of observed counts against exact probabilities (cells expecting fewer than 5 draws
+    pooled); 0 if a token of probability 0 was drawn."""
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)]).double()
+    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2, dtype=torch.double), chi2 / 2))
+
+
+def lossless_pvalues(tree_nodes: int, sampling: Sampling, ngram: int = 0, draft=(0.5, 2.0)):
+    """p-values of the first token, the second and the pair against the target's exact distribution.
+    draft: (noise, sharpening) of the draft's weights (tiny_tables)."""
+    draws, accept_counts = speculative_draws(tree_nodes, sampling, ngram, draft=draft)
+    p1, joint = exact_target(sampling)
+    first, second = draws[:, 0], draws[:, 1]
+    pvalues = {"first token": chi_square_pvalue(torch.bincount(first, minlength=VOCAB), p1),
+               "second token": chi_square_pvalue(torch.bincount(second, minlength=VOCAB), joint.sum(0)),
+               "pair": chi_square_pvalue(torch.bincount(first * VOCAB + second, minlength=VOCAB ** 2),
+                                         joint.flatten())}
+    return pvalues, accept_counts
+
+
+# ----------------------------------------------------------------------------- tokenizers built for the tests
+
+TEXT = Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text().splitlines()[:400] + [
+    "Le café est très bon, déjà vu.", "日本語のテキストです", "emoji 🙂 ok 🚀", "numbers 12345 and 67890", "\tindented\tline"]
+
+STRINGS = ["Hello world", "parser.add_argument('--x', type=int)", " leading space", "trailing spaces  ", "  two",
+           " ", "", "café déjà", "日本語 and 🙂🚀", "12345 + 678", "a\nb\tc\n\n", "x <s> y </s>", "<s>hi</s>",
+           "<|im_start|>user\nhi<|im_end|>", "<|begin_of_text|>hi<|eot_id|>", "▁already", "<unk> Ω"]
+
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+LLAMA2_CONFIG = {"add_bos_token": True, "add_eos_token": False,
+                 "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False,
+                               "rstrip": False, "single_word": False},
+                 "eos_token": "</s>", "unk_token": "<unk>", "clean_up_tokenization_spaces": False, "legacy": False,
+                 "model_max_length": 4096, "pad_token": None, "padding_side": "right", "sp_model_kwargs": {},
+                 "tokenizer_class": "LlamaTokenizer"}
+
+
+def byte_level_bpe(specials):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=500, special_tokens=specials, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def write_chatml_tokenizer(directory: Path) -> Path:
+    """SmolLM2-like: byte-level BPE adding no BOS, <|im_start|>/<|im_end|>, a ChatML chat template."""
+    directory.mkdir(parents=True, exist_ok=True)
+    byte_level_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "add_prefix_space": False, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>", "chat_template": SMOLLM2_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "model_max_length": 8192, "tokenizer_class": "GPT2Tokenizer"}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return directory
+
+
+def write_llama3_tokenizer(directory: Path) -> Path:
+    """Llama 3-like: byte-level BPE whose post-processor adds <|begin_of_text|>, <|eot_id|> ends a turn."""
+    from tokenizers import processors
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = byte_level_bpe(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                          "<|eot_id|>"])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)],
+                                      pair="<|begin_of_text|> $A <|begin_of_text|>:1 $B:1")])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE,
+        "clean_up_tokenization_spaces": False, "model_max_length": 131072,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return directory
+
+
+def write_sentencepiece_model(directory: Path, config=LLAMA2_CONFIG) -> Path:
+    """Llama 2-like: sentencepiece BPE with byte fallback, identity normalization, a dummy prefix."""
+    import sentencepiece as spm
+    directory.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT), model_prefix=str(directory / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, num_threads=1, minloglevel=2)
+    (directory / "tokenizer.vocab").unlink()
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def write_llama2_json_tokenizer(directory: Path, model: Path) -> Path:
+    """Llama 2's tokenizer.json (Prepend/Replace normalizer) from the pieces of `model`, with merges made by
+    transformers, and a config naming LlamaTokenizerFast: transformers 5 imposes its own pre-tokenization."""
+    import sentencepiece as spm
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from transformers.tokenization_utils_base import generate_merges
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=generate_merges(vocab), unk_token="<unk>", fuse_unk=True,
+                               byte_fallback=True))
+    tok.add_special_tokens([AddedToken(t, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = dict(LLAMA2_CONFIG, tokenizer_class="LlamaTokenizerFast")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def auto_tokenizer(directory):
+    """transformers' AutoTokenizer. It reads a tokenizer.model through protobuf; where protobuf is not installed,
+    the model is described to it through sentencepiece's own API instead (no user-defined pieces in ours)."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    try:
+        import google.protobuf  # noqa: F401
+    except ImportError:
+        import sentencepiece as spm
+        convert = importlib.import_module("transformers.convert_slow_tokenizer")
+
+        def read_with_sentencepiece(self, model):
+            sp = spm.SentencePieceProcessor(model_file=str(model))
+            kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else
+                     6 if sp.is_byte(i) else 1 for i in range(sp.vocab_size())]
+            self.proto = SimpleNamespace(
+                pieces=[SimpleNamespace(piece=sp.id_to_piece(i), score=sp.get_score(i), type=kind)
+                        for i, kind in enumerate(kinds)],
+                trainer_spec=SimpleNamespace(model_type=2, byte_fallback=True, unk_id=sp.unk_id(), bos_id=sp.bos_id(),
+                                             eos_id=sp.eos_id(), unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>"),
+                normalizer_spec=SimpleNamespace(precompiled_charsmap=b"", add_dummy_prefix=True))
+        convert.SentencePieceExtractor.__init__ = read_with_sentencepiece
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
