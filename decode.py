@@ -56,10 +56,14 @@ def sample(logits: Tensor, sampling: Sampling):
 
 # ----------------------------------------------------------------------------- prefill and one-token decode
 
-def prefill(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling):
-    """Run the prompt [B, T] through the model, fill the cache; return the first new token [B] and whether
-    the last logits are all finite (a bool tensor: broken weights give NaN, which sampling cannot see)."""
-    logits = model(x, input_pos)[:, -1]
+def prefill(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling, last: Optional[Tensor] = None):
+    """Run the prompts [B, T] through the model, fill the cache; return the first new token [B] and whether
+    the logits it came from are all finite (a bool tensor: broken weights give NaN, which sampling cannot see).
+    last: [B] index of each row's last prompt token (rows of different lengths, right-padded); default T - 1.
+    Padding after a row's prompt is never seen: a query sees only slots up to its own, and decoding
+    overwrites the padding's slots in order before any query can see them."""
+    logits = model(x, input_pos)
+    logits = logits[:, -1] if last is None else logits[torch.arange(x.shape[0], device=x.device), last]  # [B, V]
     return sample(logits, sampling)[0], torch.isfinite(logits).all()
 
 
@@ -106,18 +110,20 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool) -> En
 EOS_CHECK_EVERY = 8  # plain decode looks at the host for EOS this often (a device->host sync each time)
 
 
-def decode_n_tokens(engine: Engine, token: Tensor, pos: int, n: int, sampling: Sampling,
+def decode_n_tokens(engine: Engine, token: Tensor, pos, n: int, sampling: Sampling,
                     eos_ids: list, stop_at_eos: bool, callback=None) -> list:
-    """Plain autoregressive decoding of up to n tokens after `token` ([B], already sampled, at position pos).
-    Returns the new tokens, a list of [B] tensors. Rows are checked for EOS every EOS_CHECK_EVERY tokens
-    (and every token when a callback streams them), so the loop does not wait on the device each token;
-    the caller truncates each row after its first EOS."""
+    """Plain autoregressive decoding of up to n tokens after `token` ([B], already sampled, at position pos:
+    an int, or a [B] tensor when rows have prompts of different lengths). Returns the new tokens, a list of
+    [B] tensors. Rows are checked for EOS every EOS_CHECK_EVERY tokens (and every token when a callback
+    streams them), so the loop does not wait on the device each token; the caller truncates each row after
+    its first EOS. One static shape [B, 1] throughout: positions are data, so no row length recompiles."""
     batch = token.shape[0]
     out = []
     eos = torch.tensor(eos_ids or [-1], device=token.device)
     done = torch.zeros(batch, dtype=torch.bool, device=token.device)
+    pos = torch.as_tensor(pos, device=token.device).expand(batch).reshape(batch, 1)  # [B, 1]
     for i in range(n):
-        input_pos = torch.full((batch, 1), pos + i, device=token.device, dtype=torch.long)
+        input_pos = pos + i  # [B, 1]
         with sdpa_context():
             token, _ = engine.decode_one_token(engine.model, token.view(batch, 1), input_pos, sampling)
         token = token.clone()

@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,12 +48,17 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
     if not isinstance(checkpoint, dict):
         raise UserError(f"{path} does not hold a state dict: re-convert it")
     scheme = checkpoint.get("quantization") if isinstance(checkpoint.get("quantization"), dict) else None
-    state_dict = checkpoint["model"] if scheme else checkpoint
+    state_dict = checkpoint.get("model") if scheme else checkpoint
     with torch.device("meta"):
         model = Transformer(args)
     if scheme:
         import quantize
-        quantize.apply_quantization_scheme(model, scheme)
+        try:
+            quantize.apply_quantization_scheme(model, scheme)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise UserError(f"{path} does not hold a state dict of tensors: re-convert it")
     if args.tie_word_embeddings and "output.weight" not in state_dict:
         state_dict = dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
     try:
@@ -61,6 +67,11 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
         detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
         raise UserError(f"{path} does not match {path.parent / 'config.json'}: {detail}: use the config.json "
                         f"the checkpoint came with") from None
+    wrong = [name for name, t in model.state_dict().items()
+             if t.is_floating_point() != state_dict.get(name, t).is_floating_point()]
+    if wrong:  # assign=True takes the file's dtypes: integer weights where floats belong would fail mid-run
+        raise UserError(f"{path}: {wrong[0]} holds {state_dict[wrong[0]].dtype} values where the model needs "
+                        f"floating point (or the reverse): re-convert the checkpoint")
     if args.tie_word_embeddings and not scheme:
         model.output.weight = model.tok_embeddings.weight
     if shard is not None:
@@ -73,38 +84,45 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
         import quantize
         quantize.pack_for_device(model)  # int4 on the CPU: the kernel's weight layout, made after sharding
     model.quantization = scheme
+    model.checkpoint_path = path  # named by errors found while running it (NaN logits)
     return model.eval().requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------- one generation
 
 @torch.no_grad()  # also lets inductor freeze the weights into the compiled graphs (decode.compile_engine)
-def generate(target: Engine, prompt: Tensor, max_new_tokens: int, sampling: Sampling, eos_ids: list,
+def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eos_ids: list,
              stop_at_eos: bool = True, batch_size: int = 1, drafter=None, callback=None):
-    """Generate up to max_new_tokens after `prompt` (1-D ids). Returns (new ids, one list per row; stats).
+    """Generate up to max_new_tokens after `prompt`: 1-D ids (repeated on batch_size rows), or a list of
+    prompts (lists of ids, of any lengths), one row each. Returns (new ids, one list per row; stats).
     With a drafter (speculate.py) every step drafts a token tree and the target verifies it in one
     forward; without one, tokens come one per target forward."""
-    device = prompt.device
-    T = prompt.numel()
-    max_seq_length = T + max_new_tokens + (drafter.lookahead if drafter else 0) + 1
     model = target.model
-    model.setup_caches(batch_size, max_seq_length)
-    x = prompt.view(1, -1).repeat(batch_size, 1)  # [B, T]
-    input_pos = torch.arange(T, device=device).view(1, -1).repeat(batch_size, 1)  # [B, T]
+    device = model.tok_embeddings.weight.device
+    prompts = [list(p) for p in prompt] if isinstance(prompt, list) else [prompt.tolist()] * batch_size
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    T = max(len(p) for p in prompts)
+    model.setup_caches(len(prompts), T + max_new_tokens + (drafter.lookahead if drafter else 0) + 1)
+    x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # [B, T], right-padded
+    input_pos = torch.arange(T, device=device).expand(len(prompts), T)  # [B, T]
     with sdpa_context():
-        first, finite = target.prefill(model, x, input_pos, sampling)
+        first, finite = target.prefill(model, x, input_pos, sampling, lengths - 1)
     if not bool(finite):  # one look at the host per generation: NaN weights would otherwise decode token 0 forever
-        raise UserError("the model's logits for the prompt are NaN or infinite: its weights are broken; "
-                        "re-convert or re-download the checkpoint (or try --precision fp32)")
+        source = getattr(model, "checkpoint_path", "the checkpoint")
+        raise UserError(f"the model's logits for the prompt are NaN or infinite: the weights in {source} are broken; "
+                        f"re-convert or re-download it (or try --precision fp32)")
     first = first.clone()
     if drafter is not None:
-        return drafter.generate(target, prompt, first, max_new_tokens, sampling, eos_ids, stop_at_eos, callback)
+        if len(prompts) > 1:
+            raise UserError("speculative decoding runs one prompt at a time (--batch_size 1)")
+        return drafter.generate(target, torch.tensor(prompts[0], device=device), first, max_new_tokens, sampling,
+                                eos_ids, stop_at_eos, callback)
     if callback:
         callback(first)
     eos = set(eos_ids)
     rest = []
     if max_new_tokens > 1 and not (stop_at_eos and all(t in eos for t in first.tolist())):
-        rest = decode_n_tokens(target, first, T, max_new_tokens - 1, sampling, eos_ids, stop_at_eos, callback)
+        rest = decode_n_tokens(target, first, lengths, max_new_tokens - 1, sampling, eos_ids, stop_at_eos, callback)
     rows = torch.stack([first] + rest, dim=1).tolist()  # [B, n]
     if stop_at_eos:
         rows = [truncate_at_eos(row, eos) for row in rows]
@@ -129,7 +147,11 @@ def parse_args(argv=None):
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template (one user turn)")
     p.add_argument("--num_samples", type=int, default=5)
     p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=1,
+                   help="rows decoded together: copies of --prompt, or the next B prompts of --prompts_file")
+    p.add_argument("--prompts_file", type=Path, default=None,
+                   help="one prompt per line (plain text, or JSON lines with a \"prompt\" field), run --batch_size "
+                        "at a time; each row's text and ids go to --stats_json 'rows'")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means exact argmax (greedy)")
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=None)
@@ -181,9 +203,9 @@ def check_args(args):
         raise UserError(f"--device {args.device}: use cpu or cuda (cuda:N)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
-    for path in (args.stats_json, args.profile):
+    for flag, path in (("--stats_json", args.stats_json), ("--profile", args.profile)):
         if path is not None:
-            check_output_file(path)
+            check_output_file(path, flag)
     if args.speculate_k == "auto":
         return "auto"
     try:
@@ -195,10 +217,10 @@ def check_args(args):
     return depth
 
 
-def check_output_file(path: Path):
+def check_output_file(path: Path, flag: str):
     """--stats_json / --profile: a new file, or one this program wrote (JSON), in a writable directory.
     Anything else (a checkpoint, a directory, a device) is refused before the run, not clobbered after it."""
-    flag = f"--stats_json/--profile {path}"
+    flag = f"{flag} {path}"
     if path.is_dir():
         raise UserError(f"{flag} is a directory: name a file in it")
     if path.exists():
@@ -214,8 +236,12 @@ def check_output_file(path: Path):
     parent = path.parent
     if not parent.is_dir():
         raise UserError(f"{flag}: the directory {parent} does not exist: create it first")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"{flag}: cannot write in {parent}: pick a writable directory")
+    try:  # a file created and removed: os.access says yes to root, and to /sys or /proc
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.partial-{os.getpid()}-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{flag}: cannot write in {parent} ({e.strerror}): pick a writable directory") from None
 
 
 def encode_prompt(prompt: str, tokenizer, vocab_size: int, seed: int, chat: bool = False) -> list:
@@ -276,6 +302,13 @@ def main(argv=None) -> dict:
     eos_ids = sorted(set(model.args.eos_token_ids) | set(tokenizer.eos_ids))
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     prompt_ids = encode_prompt(args.prompt, tokenizer, model.args.vocab_size, args.seed, chat=args.chat)
+    if args.prompts_file:
+        if drafter is not None:
+            raise UserError("speculative decoding takes one prompt at a time: drop --prompts_file, or the draft flags")
+        texts = read_prompts_file(args.prompts_file)
+        ids = [encode_prompt(text, tokenizer, model.args.vocab_size, args.seed, chat=args.chat) for text in texts]
+        batches = [ids[i:i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
+        prompt_ids = max(ids, key=len)
     check_fits(len(prompt_ids), args.max_new_tokens, model.args.block_size)
 
     target = Engine(model)
@@ -288,8 +321,8 @@ def main(argv=None) -> dict:
         f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
 
     def run(ids: list, callback=None, profile=False):
-        """One generation, timed: (rows of new ids, stats, seconds)."""
-        prompt = torch.tensor(ids, device=device, dtype=torch.long)
+        """One generation (ids of one prompt, or a list of prompts' ids), timed: (rows of new ids, stats, seconds)."""
+        prompt = ids if isinstance(ids[0], list) else torch.tensor(ids, device=device, dtype=torch.long)
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         sync()
         t = time.perf_counter()
@@ -304,10 +337,13 @@ def main(argv=None) -> dict:
 
     compile_seconds = 0.0
     if args.compile:  # a warm-up sample compiles the graphs; its time is reported, not counted
-        compile_seconds = run(prompt_ids)[2]
+        compile_seconds = run(batches[0] if args.prompts_file else prompt_ids)[2]
         say(f"Compilation (warm-up sample) took {compile_seconds:.2f} s")
+    rows = None
     if args.interactive:
         samples, stats = chat(run, tokenizer, model, rank, world_size, say)
+    elif args.prompts_file:
+        samples, stats, rows = run_prompts_file(run, batches, texts, tokenizer, model, say)
     else:
         samples, stats = [], {}
         for i in range(args.num_samples):
@@ -322,11 +358,51 @@ def main(argv=None) -> dict:
 
     result = summarize(args, model, device, precision, prompt_ids, samples, stats, compile_seconds, drafter,
                        world_size)
+    if rows is not None:
+        result["rows"] = rows
     say(f"Average: {result['tokens_per_sec']:.2f} tokens/s, {result['bandwidth_gbs']:.2f} GB/s")
     say(f"Peak memory: {result['peak_memory_gb']:.2f} GB")
     if args.stats_json and rank == 0:
         write_atomically(args.stats_json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
     return result
+
+
+def read_prompts_file(path: Path) -> list:
+    """--prompts_file: one prompt per non-empty line, plain text or a JSON object with a "prompt" string."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--prompts_file {path}: cannot read it ({e}): pass a UTF-8 text file") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                line = json.loads(line)["prompt"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"--prompts_file {path}, line {number}: a JSON line needs a \"prompt\" field") from None
+            if not isinstance(line, str):
+                raise UserError(f"--prompts_file {path}, line {number}: \"prompt\" must be a string")
+        prompts.append(line)
+    if not prompts:
+        raise UserError(f"--prompts_file {path} holds no prompt: write one prompt per line")
+    return prompts
+
+
+def run_prompts_file(run, batches: list, texts: list, tokenizer, model, say):
+    """--prompts_file: the prompts, --batch_size rows at a time. Returns (timed samples, stats, rows)."""
+    samples, stats, rows = [], {}, []
+    for batch in batches:
+        new, stats, seconds = run(batch)
+        n = sum(len(r) for r in new)
+        samples.append({"rows": len(batch), "seconds": seconds, "tokens_per_sec": n / seconds})
+        for ids, tokens in zip(batch, new):
+            text = texts[len(rows)]
+            rows.append({"prompt": text, "prompt_tokens": ids, "tokens": tokens, "text": tokenizer.decode(tokens)})
+            say(text + rows[-1]["text"] + "\n")
+        say(f"Batch {len(samples)}: " + report(samples[-1], model, len(batch)))
+    return samples, stats, rows
 
 
 def check_fits(prompt_tokens: int, max_new_tokens: int, block_size: int):
@@ -340,7 +416,7 @@ def chat(run, tokenizer, model, rank: int, world_size: int, say):
     """--interactive: read a question, answer it in the checkpoint's own chat template (streamed), keep the
     conversation, until end of input. Under tensor parallelism rank 0 reads and every rank gets the text."""
     import tp
-    read = tp.read_prompt if world_size > 1 else input
+    read = tp.read_prompt if world_size > 1 else read_line
     messages, samples, stats = [], [], {}
     stop = set(tokenizer.eos_ids) | set(model.args.eos_token_ids)
     while True:
@@ -367,6 +443,13 @@ def chat(run, tokenizer, model, rank: int, world_size: int, say):
         answer = [t for t in rows[0] if t not in stop]
         messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
         say()
+
+
+def read_line(question: str) -> str:
+    """input(), with a closed stdin (no file descriptor 0 at all) read as the end of the input."""
+    if sys.stdin is None:
+        raise EOFError
+    return input(question)
 
 
 def sample_record(rows: list, seconds: float, tokenizer) -> dict:

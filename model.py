@@ -112,24 +112,41 @@ class ModelArgs:
                 raise UserError(f"{source} has no '{key}': copy the model's own config.json beside the checkpoint")
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
                 raise UserError(f"{source}: '{key}' is {value!r}, not an integer in [1, {limit}]: fix config.json")
+        n_kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        if cfg["num_attention_heads"] % n_kv:
+            raise UserError(f"{source}: num_attention_heads={cfg['num_attention_heads']} is not a multiple of "
+                            f"num_key_value_heads={n_kv}: fix config.json")
         # transformers >= 5 writes `rope_parameters` (holding rope_theta too) instead of rope_scaling
-        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-        rope_base = float(cfg.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise UserError(f"{source}: 'rope_scaling' is {rope!r}, not an object: fix config.json")
+        rope = dict(rope)
+        rope_base = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
+        for key, value in (("rope_theta", rope_base), ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5))):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise UserError(f"{source}: '{key}' is {value!r}, not a positive number: fix config.json")
         kind = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if kind == "default" else rope
+        if rope_scaling is not None:
+            check_rope_scaling(rope_scaling, source)
         eos = cfg.get("eos_token_id", 2)
+        for key, ids in (("bos_token_id", [cfg.get("bos_token_id")]),
+                         ("eos_token_id", eos if isinstance(eos, (list, tuple)) else [eos])):
+            if not all(i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0) for i in ids):
+                raise UserError(f"{source}: '{key}' is {cfg.get(key)!r}, not a token id (an integer >= 0) or a list "
+                                f"of them: fix config.json")
         return cls(
             dim=cfg["hidden_size"],
             n_layer=cfg["num_hidden_layers"],
             n_head=cfg["num_attention_heads"],
-            n_local_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            n_local_heads=n_kv,
             head_dim=cfg.get("head_dim") or 0,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             block_size=cfg.get("max_position_embeddings", 2048),
-            rope_base=rope_base,
-            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_base=float(rope_base),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
@@ -351,6 +368,26 @@ class Transformer(nn.Module):
         tensors = {id(t): t for t in list(self.parameters()) + [b for n, b in self.named_buffers()
                                                                 if "cache" not in n and "rope" not in n]}
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def check_rope_scaling(scaling: dict, source="config.json"):
+    """A RoPE scaling this model implements, with every number it reads."""
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALING_KEYS:
+        raise UserError(f"{source}: rope_scaling type {kind!r} is not supported (supported: default, "
+                        f"{', '.join(ROPE_SCALING_KEYS)})")
+    for key in ROPE_SCALING_KEYS[kind]:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise UserError(f"{source}: rope_scaling '{key}' is {value!r}, not a positive number "
+                            f"({kind} scaling needs {', '.join(ROPE_SCALING_KEYS[kind])}): fix config.json")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise UserError(f"{source}: rope_scaling 'high_freq_factor' must be larger than 'low_freq_factor': "
+                        f"fix config.json")
 
 
 def rope_inverse_frequencies(args: ModelArgs) -> Tensor:

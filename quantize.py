@@ -224,10 +224,36 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
             key = "tok_embeddings.weight"  # tied: the output gets its own quantized copy
         weight = state_dict[key]
         if cls is Int8Linear:
-            out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int8(weight)
+            out[f"{name}.weight"], scales = quantize_int8(weight)
+            out[f"{name}.scales"] = scales
         else:
-            out[f"{name}.weight"], out[f"{name}.scales_and_zeros"] = quantize_int4(weight, scheme["groupsize"])
+            out[f"{name}.weight"], scales = quantize_int4(weight, scheme["groupsize"])
+            out[f"{name}.scales_and_zeros"] = scales
+        if not bool(torch.isfinite(scales).all()):  # a NaN or infinite weight makes its row's scale one
+            raise UserError(f"{key} holds NaN or infinite values: the weights are broken; re-convert or "
+                            f"re-download the checkpoint")
     return out
+
+
+def check_state_dict(state_dict: dict, args: ModelArgs, path: Path):
+    """The full-precision weights fit config.json's model exactly (names, shapes, floating point, finite), as
+    generate.load_model will require: nothing is written for a checkpoint that could not load or run."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.tie_word_embeddings and "output.weight" not in state_dict and "tok_embeddings.weight" in state_dict:
+        state_dict = dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
+    if not all(isinstance(v, Tensor) for v in state_dict.values()):
+        raise UserError(f"{path} does not hold a state dict of tensors: re-convert it")
+    try:
+        model.load_state_dict(state_dict, assign=True, strict=True)
+    except RuntimeError as e:  # missing/unexpected keys or shapes
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
+        raise UserError(f"{path} does not match {path.parent / 'config.json'}: {detail}: use the config.json "
+                        f"the checkpoint came with") from None
+    for name, weight in state_dict.items():
+        if not weight.is_floating_point():
+            raise UserError(f"{path}: {name} holds {weight.dtype} values, not floating point: quantize the "
+                            f"full-precision checkpoint")
 
 
 def output_path(checkpoint_path: Path, scheme: dict) -> Path:
@@ -244,11 +270,21 @@ def quantize_checkpoint(checkpoint_path: Path, mode: str, groupsize=None) -> Pat
         raise UserError("--groupsize is for --mode int4 (int8 has one scale per output row): drop --groupsize")
     scheme = {"mode": mode} if mode == "int8" else {"mode": mode, "groupsize": groupsize or 128}
     args = ModelArgs.from_checkpoint_dir(path.parent)
-    state_dict = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
+    try:
+        state_dict = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated, empty, random bytes, a pickle that needs more than tensors
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read checkpoint {path} ({reason}): re-convert or re-download it") from None
+    if not isinstance(state_dict, dict):
+        raise UserError(f"{path} does not hold a state dict: re-convert it")
     if isinstance(state_dict.get("quantization"), dict):
-        raise UserError(f"{path} is already quantized ({state_dict['quantization']['mode']}): "
+        raise UserError(f"{path} is already quantized ({state_dict['quantization'].get('mode')}): "
                         f"quantize the full-precision model.pth instead")
-    quantized = quantize_state_dict(state_dict, args, scheme)
+    check_state_dict(state_dict, args, path)
+    try:
+        quantized = quantize_state_dict(state_dict, args, scheme)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
     out = output_path(path, scheme)
     write_atomically(out, lambda tmp: torch.save({"quantization": scheme, "model": quantized}, tmp))
     return out

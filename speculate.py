@@ -223,7 +223,7 @@ class TreeSpeculator:
         self.depth, self.tree_nodes, self.auto_depth = depth, tree_nodes, auto_depth
         self.lookahead = tree_nodes + 2  # cache slots a step may write past the accepted tokens
 
-    def compile(self, device: str):
+    def compile(self, device: str, compile_prefill: bool = False):
         pass
 
     def generate(self, target: Engine, prompt: Tensor, first: Tensor, max_new_tokens: int, sampling: Sampling,
@@ -386,11 +386,15 @@ class DraftModelSpeculator(TreeSpeculator):
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
         self.pending = []  # accepted tokens not yet in the draft's cache (they come before the next root)
 
-    def compile(self, device: str):
-        self.engine = compile_engine(self.draft_model, device, compile_prefill=True)
+    def compile(self, device: str, compile_prefill: bool = False):
+        """Static graphs for the per-step forwards; the draft's prefill and its catch-up on looked-up tokens
+        (once per generation, or rare) stay eager unless compile_prefill: a dynamic-shape graph of a deep
+        model costs far more to compile than it saves on one call."""
+        self.engine = compile_engine(self.draft_model, device, compile_prefill)
         mode = "reduce-overhead" if device.startswith("cuda") else None
         self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
-        self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
+        if compile_prefill:
+            self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
 
     def start(self, prompt: Tensor, max_seq_length: int) -> int:
         self.draft_model.setup_caches(1, max_seq_length)

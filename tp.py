@@ -27,6 +27,7 @@ seed (generate.py seeds every rank alike), so all ranks pick the same tokens wit
 import math
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,24 +37,57 @@ from torch import Tensor
 from model import UserError
 
 
+JOIN_TIMEOUT = 60  # seconds every rank waits for the others to join (FASTGEN_DIST_TIMEOUT overrides it)
+
+
 def init_distributed(device: str) -> tuple:
     """Join the torchrun job (global RANK/WORLD_SIZE, so several nodes work the same); returns (rank, world_size).
-    NCCL on CUDA, each rank on cuda:LOCAL_RANK; gloo on CPU."""
+    NCCL on CUDA, each rank on cuda:LOCAL_RANK; gloo on CPU. A rank whose peers do not all join within
+    FASTGEN_DIST_TIMEOUT seconds (default 60) gives up with a UserError instead of waiting forever; the
+    collectives afterwards keep the backend's own, longer timeout (one rank may compile or load for minutes)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
             raise UserError("WORLD_SIZE > 1 but RANK/MASTER_ADDR are not set: launch with "
                             "torchrun --nproc_per_node=N generate.py ...")
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        environment = {name: os.environ.get(name, "0") for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        bad = [f"{name}={value!r}" for name, value in environment.items() if not value.isdigit()]
+        if bad:
+            raise UserError(f"{', '.join(bad)} is not a number: launch with torchrun --nproc_per_node=N generate.py ...")
+        rank, world_size = int(environment["RANK"]), int(environment["WORLD_SIZE"])
+        if rank >= world_size:
+            raise UserError(f"RANK={rank} is not below WORLD_SIZE={world_size}: launch with torchrun")
+        timeout = join_timeout()
+        backend, device_id = "gloo", None
         if device.startswith("cuda"):
             if device != "cuda":
                 raise UserError(f"--device {device}: under torchrun pass --device cuda; rank r uses cuda:LOCAL_RANK")
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            local_rank = int(environment["LOCAL_RANK"])
             torch.cuda.set_device(local_rank)
-            dist.init_process_group("nccl", rank=rank, world_size=world_size,
-                                    device_id=torch.device("cuda", local_rank))
-        else:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            backend, device_id = "nccl", torch.device("cuda", local_rank)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device_id,
+                                    timeout=timedelta(seconds=timeout))
+        except (RuntimeError, TimeoutError, ValueError) as e:  # DistStoreError, DistNetworkError are RuntimeErrors
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"rank {rank} of {world_size} could not join the others at "
+                            f"{os.environ['MASTER_ADDR']}:{environment['MASTER_PORT']} within {timeout:g} s ({reason}): "
+                            f"start every rank (torchrun --nproc_per_node=N), or raise FASTGEN_DIST_TIMEOUT") from None
+        try:  # collectives: back to the backend's default timeout
+            dist.distributed_c10d._set_pg_timeout(dist.distributed_c10d._get_default_timeout(backend))
+        except (AttributeError, TypeError, ValueError):
+            pass
     return dist.get_rank(), dist.get_world_size()
+
+
+def join_timeout() -> float:
+    value = os.environ.get("FASTGEN_DIST_TIMEOUT", str(JOIN_TIMEOUT))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise UserError(f"FASTGEN_DIST_TIMEOUT={value!r}: give the seconds ranks wait for each other to join, e.g. 60")
+    return seconds
 
 
 def check_world_size(model, world_size: int):
@@ -167,7 +201,7 @@ def end_process(error=None, status: int = 1):
 def read_prompt(question: str) -> str:
     """Interactive mode: rank 0 reads stdin, every rank gets the same text (EOFError on all at the end)."""
     box = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and sys.stdin is not None:  # None: no stdin at all, the end of the input
         try:
             box[0] = input(question)
         except EOFError:

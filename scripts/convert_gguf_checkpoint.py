@@ -234,15 +234,25 @@ def merges_from_scores(vocab: dict, scores: dict) -> list:
 
 # ----------------------------------------------------------------------------- converting
 
+def check_out_dir(out: Path):
+    """--out_dir: a directory, or one that can be made (no regular file on the way), refused before any work."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--out_dir {out}: {existing} is not a directory: name a directory for the checkpoint")
+
+
 def convert(gguf_path, out_dir=None, dtype=torch.bfloat16) -> Path:
     path = Path(gguf_path)
+    out = Path(out_dir) if out_dir else Path("checkpoints") / path.stem
+    check_out_dir(out)
     meta, tensors = read_gguf(path)
     args = model_args(meta, tensors, path)
     plan = tensor_plan(args, tensors, path)
     tokenizer, tokenizer_config = build_tokenizer(meta, path)
     state_dict = {ours: torch.cat([dequantize(tensors[name], dtype) for name in names]) for ours, names in plan.items()}
 
-    out = Path(out_dir) if out_dir else Path("checkpoints") / path.stem
     write_atomically(out / "config.json", lambda tmp: tmp.write_text(json.dumps(args.to_hf_config(), indent=2) + "\n"))
     write_atomically(out / "tokenizer.json", lambda tmp: tokenizer.save(str(tmp)))
     write_atomically(out / "tokenizer_config.json",

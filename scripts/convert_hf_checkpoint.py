@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from model import ModelArgs, UserError, write_atomically  # noqa: E402
+from model import ModelArgs, Transformer, UserError, write_atomically  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -117,7 +117,14 @@ def weight_files(checkpoint_dir: Path) -> list:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = checkpoint_dir / index_name
         if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+                reason = f"no {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
+                raise UserError(f"cannot read {index} ({reason}): the download is incomplete or damaged; "
+                                f"run scripts/download.py again") from None
+            if not all(isinstance(n, str) for n in names):
+                raise UserError(f"{index}: its weight_map does not name shard files: run scripts/download.py again")
             absent = [n for n in names if not (checkpoint_dir / n).is_file()]
             if absent:
                 raise UserError(f"{index} names shards that are not in {checkpoint_dir}, e.g. {absent[0]}: "
@@ -132,15 +139,35 @@ def load_hf_weights(files: list) -> dict:
     from safetensors.torch import load_file
     state_dict = {}
     for path in _progress(files, len(files), "shards"):
-        if path.suffix == ".safetensors":
-            state_dict.update(load_file(str(path)))
-        else:
-            try:
-                shard = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # pre-zipfile torch.save format cannot be memory-mapped
-                shard = torch.load(str(path), map_location="cpu", weights_only=True)
-            state_dict.update(shard)
+        try:
+            if path.suffix == ".safetensors":
+                shard = load_file(str(path))
+            else:
+                try:
+                    shard = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # pre-zipfile torch.save format cannot be memory-mapped
+                    shard = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated, empty, random bytes (SafetensorError, UnpicklingError, ...)
+            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            raise UserError(f"cannot read {path} ({reason}): the download is incomplete or damaged; "
+                            f"run scripts/download.py again") from None
+        if not isinstance(shard, dict) or not all(isinstance(v, torch.Tensor) for v in shard.values()):
+            raise UserError(f"{path} does not hold a state dict of tensors: run scripts/download.py again")
+        state_dict.update(shard)
     return state_dict
+
+
+def check_fits(state_dict: dict, args: ModelArgs, checkpoint_dir: Path):
+    """The converted weights load into config.json's model exactly (names and shapes), as generate.load_model
+    will require: nothing is written for a checkpoint that could not load."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    try:
+        model.load_state_dict(state_dict, assign=True, strict=True)
+    except RuntimeError as e:
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
+        raise UserError(f"the weights in {checkpoint_dir} do not match its config ({detail}): fix config.json "
+                        f"or re-download the checkpoint") from None
 
 
 def resolve_args(checkpoint_dir: Path, model_name=None) -> ModelArgs:
@@ -164,7 +191,15 @@ def convert_hf_checkpoint(checkpoint_dir, model_name=None, dtype=None) -> Path:
                          f"run scripts/download.py --repo_id ORG/NAME first")
     has_config = (checkpoint_dir / "config.json").is_file()
     args = resolve_args(checkpoint_dir, model_name)
-    ours = hf_to_ours(load_hf_weights(files), args)
+    weights = load_hf_weights(files)
+    try:
+        ours = hf_to_ours(weights, args)
+    except RuntimeError as e:  # q/k/v of a size the config's heads cannot reshape
+        raise UserError(f"the weights in {checkpoint_dir} do not match its config ({str(e)[:200]}): fix "
+                        f"config.json or re-download the checkpoint") from None
+    except UserError as e:
+        raise UserError(f"{checkpoint_dir}: {e}") from None
+    check_fits(ours, args, checkpoint_dir)
     if dtype is not None:
         converted = {}  # one conversion per storage, so tied weights stay shared
         ours = {k: converted.setdefault(id(v), v.to(dtype)) for k, v in ours.items()}

@@ -150,13 +150,15 @@ class Case:
     skip: Optional[str] = None
     popen: dict = dataclasses.field(default_factory=dict)  # extra subprocess.run arguments
     bound: int = TIME_BOUND
+    inprocess: bool = False  # run by calling the CLI's main() here: the same checks, without a new interpreter
 
     def __repr__(self):
         return self.id
 
 
-def gen(id, *extra, expect, setup=None, env=None, status=1, needs=("ckpt",), **kw):
-    return Case(id, GENERATE + list(extra), expect, setup, env or {}, status, needs, **kw)
+def gen(id, *extra, expect, setup=None, env=None, status=1, needs=("ckpt",), stats=True, **kw):
+    argv = GENERATE + list(extra) if stats else GENERATE[:-2] + list(extra)
+    return Case(id, argv, expect, setup, env or {}, status, needs, **kw)
 
 
 def quant(id, *extra, expect, setup=None, status=1, **kw):
@@ -174,6 +176,12 @@ def gguf(id, *extra, expect, setup=None, status=1, **kw):
 def torchrun(id, *extra, expect, setup=None, needs=("ckpt",), script=GENERATE, **kw):
     argv = TORCHRUN + script + list(extra)
     return Case(id, argv, expect, setup, {}, -1, needs, bound=TORCHRUN_BOUND, **kw)
+
+
+def here(case: Case) -> Case:
+    """A row whose error path the subprocess rows already show end as one line: its check runs in this process
+    (an interpreter with torch takes ~3 CPU seconds to start, and the machine has 2 cores)."""
+    return dataclasses.replace(case, inprocess=True)
 
 
 def small_vocab(w):  # a model of 256 tokens beside the 512-token tokenizer
@@ -236,19 +244,19 @@ CASES = [
     gen("pth_truncated", expect=["{ckpt}/model.pth"], setup=lambda w: truncate(w.ckpt / "model.pth")),
     gen("pth_empty", expect=["{ckpt}/model.pth"], setup=lambda w: (w.ckpt / "model.pth").write_bytes(b"")),
     gen("pth_random_bytes", expect=["{ckpt}/model.pth"], setup=lambda w: random_bytes(w.ckpt / "model.pth")),
-    gen("pth_pickle_of_objects", expect=["{ckpt}/model.pth"],
-        setup=lambda w: torch.save({"path": Path("x"), "w": torch.zeros(2)}, w.ckpt / "model.pth")),
-    gen("pth_list_of_tensors", expect=["{ckpt}/model.pth", "state dict"],
-        setup=lambda w: w.state(lambda sd: list(sd.values()))),
-    gen("pth_integer_weights", expect=["{ckpt}/model.pth"],
-        setup=lambda w: w.state(lambda sd: {k: v.long() for k, v in sd.items()})),
-    gen("pth_non_tensor_value", expect=["{ckpt}/model.pth"],
-        setup=lambda w: w.state(lambda sd: dict(sd, **{"norm.weight": 3}))),
+    here(gen("pth_pickle_of_objects", expect=["{ckpt}/model.pth"],
+             setup=lambda w: torch.save({"path": Path("x"), "w": torch.zeros(2)}, w.ckpt / "model.pth"))),
+    here(gen("pth_list_of_tensors", expect=["{ckpt}/model.pth", "state dict"],
+             setup=lambda w: w.state(lambda sd: list(sd.values())))),
+    here(gen("pth_integer_weights", expect=["{ckpt}/model.pth"],
+             setup=lambda w: w.state(lambda sd: {k: v.long() for k, v in sd.items()}))),
+    here(gen("pth_non_tensor_value", expect=["{ckpt}/model.pth"],
+             setup=lambda w: w.state(lambda sd: dict(sd, **{"norm.weight": 3})))),
     gen("pth_nan_weights", expect=["{ckpt}/model.pth", "NaN"], setup=nan_weights),
-    gen("pth_unknown_quantization", expect=["{ckpt}/model.pth", "int3"],
-        setup=lambda w: torch.save({"quantization": {"mode": "int3"}, "model": {}}, w.ckpt / "model.pth")),
-    gen("pth_is_a_directory", "--checkpoint_path", "{ckpt}", expect=["{ckpt}", "model.pth"]),
-    gen("pth_missing", expect=["{ckpt}/model.pth"], setup=lambda w: (w.ckpt / "model.pth").unlink()),
+    here(gen("pth_unknown_quantization", expect=["{ckpt}/model.pth", "int3"],
+             setup=lambda w: torch.save({"quantization": {"mode": "int3"}, "model": {}}, w.ckpt / "model.pth"))),
+    here(gen("pth_is_a_directory", "--checkpoint_path", "{ckpt}", expect=["{ckpt}", "model.pth"])),
+    here(gen("pth_missing", expect=["{ckpt}/model.pth"], setup=lambda w: (w.ckpt / "model.pth").unlink())),
     # --- generate.py: config.json
     gen("config_hidden_size_disagrees", expect=["{ckpt}/config.json"], setup=lambda w: w.config(hidden_size=128)),
     gen("config_layers_disagree", expect=["{ckpt}/config.json"], setup=lambda w: w.config(num_hidden_layers=3)),
@@ -262,66 +270,66 @@ CASES = [
         setup=lambda w: w.config(hidden_size="64")),
     gen("config_100M_layers", expect=["{ckpt}/config.json", "num_hidden_layers"],
         setup=lambda w: w.config(num_hidden_layers=100_000_000), bound=20),
-    gen("config_kv_heads_do_not_divide", expect=["{ckpt}/config.json", "num_key_value_heads"],
-        setup=lambda w: w.config(num_key_value_heads=3)),
+    here(gen("config_kv_heads_do_not_divide", expect=["{ckpt}/config.json", "num_key_value_heads"],
+             setup=lambda w: w.config(num_key_value_heads=3))),
     gen("config_invalid_json", expect=["{ckpt}/config.json"],
         setup=lambda w: (w.ckpt / "config.json").write_text("{\"hidden_size\": 64,")),
-    gen("config_not_an_object", expect=["{ckpt}/config.json"],
-        setup=lambda w: (w.ckpt / "config.json").write_text("[64, 2]")),
-    gen("config_not_utf8", expect=["{ckpt}/config.json"], setup=lambda w: not_utf8(w.ckpt / "config.json")),
-    gen("config_rope_theta_text", expect=["{ckpt}/config.json", "rope_theta"],
-        setup=lambda w: w.config(rope_theta="fast")),
-    gen("config_rms_norm_eps_text", expect=["{ckpt}/config.json", "rms_norm_eps"],
-        setup=lambda w: w.config(rms_norm_eps="tiny")),
-    gen("config_eos_text", expect=["{ckpt}/config.json", "eos_token_id"],
-        setup=lambda w: w.config(eos_token_id="</s>")),
-    gen("config_rope_scaling_unknown", expect=["{ckpt}/config.json", "rope_scaling"],
-        setup=lambda w: w.config(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
-    gen("config_rope_scaling_incomplete", expect=["{ckpt}/config.json", "rope_scaling"],
-        setup=lambda w: w.config(rope_scaling={"rope_type": "llama3", "factor": 8.0})),
+    here(gen("config_not_an_object", expect=["{ckpt}/config.json"],
+             setup=lambda w: (w.ckpt / "config.json").write_text("[64, 2]"))),
+    here(gen("config_not_utf8", expect=["{ckpt}/config.json"], setup=lambda w: not_utf8(w.ckpt / "config.json"))),
+    here(gen("config_rope_theta_text", expect=["{ckpt}/config.json", "rope_theta"],
+             setup=lambda w: w.config(rope_theta="fast"))),
+    here(gen("config_rms_norm_eps_text", expect=["{ckpt}/config.json", "rms_norm_eps"],
+             setup=lambda w: w.config(rms_norm_eps="tiny"))),
+    here(gen("config_eos_text", expect=["{ckpt}/config.json", "eos_token_id"],
+             setup=lambda w: w.config(eos_token_id="</s>"))),
+    here(gen("config_rope_scaling_unknown", expect=["{ckpt}/config.json", "rope_scaling"],
+             setup=lambda w: w.config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))),
+    here(gen("config_rope_scaling_incomplete", expect=["{ckpt}/config.json", "rope_scaling"],
+             setup=lambda w: w.config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))),
     # --- generate.py: the tokenizer
     gen("tokenizer_model_corrupt", expect=["{ckpt}/tokenizer.model"],
         setup=lambda w: random_bytes(w.ckpt / "tokenizer.model")),
     gen("tokenizer_json_corrupt", expect=["{ckpt}/tokenizer.json"],
         setup=lambda w: (w.ckpt / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": [')),
-    gen("tokenizer_config_invalid", expect=["{ckpt}/tokenizer_config.json"],
-        setup=lambda w: (w.ckpt / "tokenizer_config.json").write_text("{bos_token: <s>}")),
+    here(gen("tokenizer_config_invalid", expect=["{ckpt}/tokenizer_config.json"],
+             setup=lambda w: (w.ckpt / "tokenizer_config.json").write_text("{bos_token: <s>}"))),
     gen("tokenizer_larger_than_model", expect=["{ckpt}", "tokenizer", "256"], setup=small_vocab),
     gen("tokenizer_missing", expect=["{ckpt}", "tokenizer"], setup=lambda w: (w.ckpt / "tokenizer.model").unlink()),
-    gen("chat_template_broken", "--chat", expect=["{ckpt}/tokenizer_config.json", "chat template"],
-        setup=lambda w: (w.ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))),
+    here(gen("chat_template_broken", "--chat", expect=["{ckpt}/tokenizer_config.json", "chat template"],
+             setup=lambda w: (w.ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"})))),
     # --- generate.py: flags
     gen("prompt_99999999999_tokens", "--prompt", "99999999999", expect=["--prompt"]),
-    gen("prompt_longer_than_context", "--prompt", "300", expect=["--max_new_tokens", "256"]),
+    here(gen("prompt_longer_than_context", "--prompt", "300", expect=["--max_new_tokens", "256"])),
     gen("prompt_not_utf8", "--prompt", os.fsdecode(b"caf\xe9 \xff"), expect=["--prompt"]),
     gen("seed_1e23", "--seed", "1e23", expect=["--seed"], status=2),
-    gen("seed_negative", "--seed", "-1", expect=["--seed"]),
+    here(gen("seed_negative", "--seed", "-1", expect=["--seed"])),
     gen("temperature_nan", "--temperature", "nan", expect=["--temperature"]),
     gen("temperature_inf", "--temperature", "inf", expect=["--temperature"]),
-    gen("temperature_negative", "--temperature", "-1", expect=["--temperature"]),
+    here(gen("temperature_negative", "--temperature", "-1", expect=["--temperature"])),
     gen("top_p_nan", "--top_p", "nan", expect=["--top_p"]),
     gen("top_p_1.5", "--top_p", "1.5", expect=["--top_p"]),
     gen("top_k_0", "--top_k", "0", expect=["--top_k"]),
     gen("max_new_tokens_0", "--max_new_tokens", "0", expect=["--max_new_tokens"]),
-    gen("max_new_tokens_beyond_context", "--max_new_tokens", "1000000", expect=["--max_new_tokens"]),
-    gen("batch_size_0", "--batch_size", "0", expect=["--batch_size"]),
+    here(gen("max_new_tokens_beyond_context", "--max_new_tokens", "1000000", expect=["--max_new_tokens"])),
+    here(gen("batch_size_0", "--batch_size", "0", expect=["--batch_size"])),
     gen("device_tpu", "--device", "tpu", expect=["--device"]),
-    gen("device_cuda_without_cuda", "--device", "cuda", expect=["--device"],
-        skip="this machine has CUDA" if torch.cuda.is_available() else None),
-    gen("precision_unknown", "--precision", "int3", expect=["--precision"], status=2),
+    here(gen("device_cuda_without_cuda", "--device", "cuda", expect=["--device"],
+             skip="this machine has CUDA" if torch.cuda.is_available() else None)),
+    here(gen("precision_unknown", "--precision", "int3", expect=["--precision"], status=2)),
     gen("compile_prefill_without_compile", "--compile_prefill", expect=["--compile_prefill"]),
     gen("speculate_k_1000", "--draft_checkpoint_path", "{draft}/model.pth", "--speculate_k", "1000",
         expect=["--speculate_k", "256"], needs=("ckpt", "draft"), bound=30),
-    gen("speculate_k_text", "--draft_ngram", "3", "--speculate_k", "many", expect=["--speculate_k"]),
+    here(gen("speculate_k_text", "--draft_ngram", "3", "--speculate_k", "many", expect=["--speculate_k"])),
     gen("tree_nodes_100000", "--draft_checkpoint_path", "{draft}/model.pth", "--tree_nodes", "100000",
         expect=["--tree_nodes"], needs=("ckpt", "draft"), bound=30),
-    gen("tree_nodes_without_draft", "--tree_nodes", "8", expect=["--tree_nodes"]),
+    here(gen("tree_nodes_without_draft", "--tree_nodes", "8", expect=["--tree_nodes"])),
     gen("draft_ngram_1", "--draft_ngram", "1", expect=["--draft_ngram"]),
     gen("draft_ngram_100", "--draft_ngram", "100", expect=["--draft_ngram"]),
-    gen("draft_missing", "--draft_checkpoint_path", "{w}/no_draft/model.pth", expect=["{w}/no_draft/model.pth"]),
+    here(gen("draft_missing", "--draft_checkpoint_path", "{w}/no_draft/model.pth", expect=["{w}/no_draft/model.pth"])),
     gen("draft_other_tokenizer", "--draft_checkpoint_path", "{draft}/model.pth",
         expect=["{draft}", "tokenizer"], needs=("ckpt", "draft"), setup=other_tokenizer_draft),
-    gen("speculative_batch", "--draft_ngram", "3", "--batch_size", "2", expect=["--batch_size"]),
+    here(gen("speculative_batch", "--draft_ngram", "3", "--batch_size", "2", expect=["--batch_size"])),
     # --- generate.py: output files
     gen("stats_json_is_the_checkpoint", "--stats_json", "{ckpt}/model.pth", expect=["--stats_json", "{ckpt}/model.pth"]),
     gen("stats_json_is_a_directory", "--stats_json", "{out}", expect=["--stats_json", "{out}"]),
@@ -329,40 +337,41 @@ CASES = [
         setup=lambda w: (w.out / "file.txt").write_text("notes\n")),
     gen("stats_json_dir_missing", "--stats_json", "{out}/missing/x.json", expect=["--stats_json", "{out}/missing"]),
     gen("stats_json_in_sys", "--stats_json", "/sys/x.json", expect=["--stats_json", "/sys"]),
-    gen("stats_json_in_proc", "--stats_json", "/proc/x.json", expect=["--stats_json", "/proc"]),
+    here(gen("stats_json_in_proc", "--stats_json", "/proc/x.json", expect=["--stats_json", "/proc"])),
     gen("stats_json_read_only_dir", "--stats_json", "{out}/ro/x.json", expect=["--stats_json", "{out}/ro"],
         setup=lambda w: readonly(w.out / "ro"), skip="root writes to read-only directories" if ROOT_IS_ROOT else None),
     gen("profile_is_a_directory", "--profile", "{out}", expect=["--profile", "{out}"]),
-    gen("profile_is_the_checkpoint", "--profile", "{ckpt}/model.pth", expect=["--profile", "{ckpt}/model.pth"]),
+    here(gen("profile_is_the_checkpoint", "--profile", "{ckpt}/model.pth", expect=["--profile", "{ckpt}/model.pth"])),
     # --- generate.py: the environment
     gen("world_size_abc", expect=["WORLD_SIZE"], env={"WORLD_SIZE": "abc"}),
-    gen("world_size_0", expect=["WORLD_SIZE"], env={"WORLD_SIZE": "0"}),
-    gen("world_size_2_without_rank", expect=["RANK"], env={"WORLD_SIZE": "2"}),
+    here(gen("world_size_0", expect=["WORLD_SIZE"], env={"WORLD_SIZE": "0"})),
+    here(gen("world_size_2_without_rank", expect=["RANK"], env={"WORLD_SIZE": "2"})),
     gen("world_size_2_no_peer", expect=["FASTGEN_DIST_TIMEOUT"], bound=40,
         env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}",
              "FASTGEN_DIST_TIMEOUT": "3"}),
-    gen("dist_timeout_abc", expect=["FASTGEN_DIST_TIMEOUT"],
-        env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}",
-             "FASTGEN_DIST_TIMEOUT": "abc"}),
+    here(gen("dist_timeout_abc", expect=["FASTGEN_DIST_TIMEOUT"],
+             env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}",
+                  "FASTGEN_DIST_TIMEOUT": "abc"})),
     # --interactive with nothing to read: a clean end (status 0), as at the end of any input
-    gen("interactive_stdin_empty", "--interactive", expect=[], status=0, popen={"stdin": subprocess.DEVNULL}),
-    gen("interactive_stdin_closed", "--interactive", expect=[], status=0, popen={"close_stdin": True}),
+    here(gen("interactive_stdin_empty", "--interactive", expect=[], status=0, stats=False,
+             popen={"stdin": subprocess.DEVNULL})),
+    gen("interactive_stdin_closed", "--interactive", expect=[], status=0, stats=False, popen={"close_stdin": True}),
 
     # --- quantize.py
     quant("quantize_missing_file", expect=["{ckpt}/model.pth"], setup=lambda w: (w.ckpt / "model.pth").unlink()),
     quant("quantize_truncated", expect=["{ckpt}/model.pth"], setup=lambda w: truncate(w.ckpt / "model.pth")),
-    quant("quantize_empty", expect=["{ckpt}/model.pth"], setup=lambda w: (w.ckpt / "model.pth").write_bytes(b"")),
-    quant("quantize_list_of_tensors", expect=["{ckpt}/model.pth"], setup=lambda w: w.state(lambda sd: list(sd.values()))),
+    here(quant("quantize_empty", expect=["{ckpt}/model.pth"], setup=lambda w: (w.ckpt / "model.pth").write_bytes(b""))),
+    here(quant("quantize_list_of_tensors", expect=["{ckpt}/model.pth"], setup=lambda w: w.state(lambda sd: list(sd.values())))),
     quant("quantize_hidden_size_disagrees", expect=["{ckpt}/config.json"], setup=lambda w: w.config(hidden_size=128)),
-    quant("quantize_fewer_layers", expect=["{ckpt}/config.json"], setup=lambda w: w.config(num_hidden_layers=1)),
-    quant("quantize_more_layers", expect=["{ckpt}/config.json"], setup=lambda w: w.config(num_hidden_layers=3)),
-    quant("quantize_config_invalid_json", expect=["{ckpt}/config.json"],
-          setup=lambda w: (w.ckpt / "config.json").write_text("{")),
+    here(quant("quantize_fewer_layers", expect=["{ckpt}/config.json"], setup=lambda w: w.config(num_hidden_layers=1))),
+    here(quant("quantize_more_layers", expect=["{ckpt}/config.json"], setup=lambda w: w.config(num_hidden_layers=3))),
+    here(quant("quantize_config_invalid_json", expect=["{ckpt}/config.json"],
+               setup=lambda w: (w.ckpt / "config.json").write_text("{"))),
     quant("quantize_already_quantized", expect=["{ckpt}/model.pth", "already quantized"], setup=quantized_file),
-    quant("quantize_nan_weights", expect=["{ckpt}/model.pth", "output.weight"], setup=nan_weights),
+    here(quant("quantize_nan_weights", expect=["{ckpt}/model.pth", "output.weight"], setup=nan_weights)),
     quant("quantize_groupsize_does_not_divide", "--mode", "int4", "--groupsize", "128", expect=["--groupsize"]),
-    quant("quantize_groupsize_unsupported", "--mode", "int4", "--groupsize", "100", expect=["--groupsize"], status=2),
-    quant("quantize_groupsize_with_int8", "--mode", "int8", "--groupsize", "32", expect=["--groupsize"]),
+    here(quant("quantize_groupsize_unsupported", "--mode", "int4", "--groupsize", "100", expect=["--groupsize"], status=2)),
+    here(quant("quantize_groupsize_with_int8", "--mode", "int8", "--groupsize", "32", expect=["--groupsize"])),
     quant("quantize_keeps_previous_output", expect=["{ckpt}/config.json"],  # an earlier model_int8.pth survives
           setup=lambda w: (w.config(hidden_size=128), (w.ckpt / "model_int8.pth").write_bytes(b"earlier result"))),
 
@@ -372,33 +381,32 @@ CASES = [
     hf("convert_config_missing_key", expect=["{hf}/config.json", "hidden_size"],
        setup=lambda w: w.hf_config(hidden_size=None)),
     hf("convert_config_disagrees", expect=["{hf}"], setup=lambda w: w.hf_config(hidden_size=128)),
-    hf("convert_config_fewer_layers", expect=["{hf}"], setup=lambda w: w.hf_config(num_hidden_layers=1)),
+    here(hf("convert_config_fewer_layers", expect=["{hf}"], setup=lambda w: w.hf_config(num_hidden_layers=1))),
     hf("convert_safetensors_truncated", expect=["{hf}/model.safetensors"],
        setup=lambda w: (truncate(w.hf / "model.safetensors"), (w.hf / "model.pth").write_bytes(b"earlier"))),
-    hf("convert_safetensors_random", expect=["{hf}/model.safetensors"],
-       setup=lambda w: random_bytes(w.hf / "model.safetensors")),
-    hf("convert_index_invalid_json", expect=["{hf}/model.safetensors.index.json"],
-       setup=lambda w: (w.hf / "model.safetensors.index.json").write_text("{")),
-    hf("convert_index_names_absent_shard", expect=["{hf}/model.safetensors.index.json"], setup=index_naming_absent_shard),
-    hf("convert_bin_corrupt", expect=["{hf}/pytorch_model.bin"], setup=bin_instead_of_safetensors),
-    hf("convert_dtype_unknown", "--dtype", "fp8", expect=["--dtype"], status=2),
+    here(hf("convert_safetensors_random", expect=["{hf}/model.safetensors"],
+            setup=lambda w: random_bytes(w.hf / "model.safetensors"))),
+    here(hf("convert_index_invalid_json", expect=["{hf}/model.safetensors.index.json"],
+            setup=lambda w: (w.hf / "model.safetensors.index.json").write_text("{"))),
+    here(hf("convert_index_names_absent_shard", expect=["{hf}/model.safetensors.index.json"], setup=index_naming_absent_shard)),
+    here(hf("convert_bin_corrupt", expect=["{hf}/pytorch_model.bin"], setup=bin_instead_of_safetensors)),
+    here(hf("convert_dtype_unknown", "--dtype", "fp8", expect=["--dtype"], status=2)),
 
     # --- scripts/convert_gguf_checkpoint.py
     gguf("gguf_missing_file", expect=["{gguf}"], setup=lambda w: w.gguf.unlink()),
     gguf("gguf_text_file", expect=["{gguf}"], setup=lambda w: w.gguf.write_text("not a model\n")),
-    gguf("gguf_random_bytes", expect=["{gguf}"], setup=lambda w: random_bytes(w.gguf)),
-    gguf("gguf_empty", expect=["{gguf}"], setup=lambda w: w.gguf.write_bytes(b"")),
+    here(gguf("gguf_random_bytes", expect=["{gguf}"], setup=lambda w: random_bytes(w.gguf))),
+    here(gguf("gguf_empty", expect=["{gguf}"], setup=lambda w: w.gguf.write_bytes(b""))),
     gguf("gguf_truncated", expect=["{gguf}"], setup=lambda w: truncate(w.gguf)),
-    gguf("gguf_header_only", expect=["{gguf}"], setup=lambda w: truncate(w.gguf, 0.02)),
-    gguf("gguf_out_dir_is_a_file", "--out_dir", "{out}/file.txt", expect=["--out_dir", "{out}/file.txt"],
-         setup=lambda w: (w.out / "file.txt").write_text("notes\n")),
+    here(gguf("gguf_header_only", expect=["{gguf}"], setup=lambda w: truncate(w.gguf, 0.02))),
+    here(gguf("gguf_out_dir_is_a_file", "--out_dir", "{out}/file.txt", expect=["--out_dir", "{out}/file.txt"],
+              setup=lambda w: (w.out / "file.txt").write_text("notes\n"))),
 
     # --- torchrun, 2 ranks
     torchrun("torchrun_heads_do_not_divide", expect=["tensor parallelism over 2 ranks", "n_kv_heads=3"],
              setup=heads_of_three),
     torchrun("torchrun_both_ranks_fail_to_load", expect=["{ckpt}/model.pth"],
              setup=lambda w: truncate(w.ckpt / "model.pth")),
-    torchrun("torchrun_bad_flag", "--top_k", "0", expect=["--top_k"]),
     torchrun("torchrun_one_rank_fails", expect=["injected failure"], setup=injected_rank_failure,
              script=["{w}/worker.py"] + GENERATE[1:]),
 ]
@@ -460,7 +468,7 @@ def run_case(case: Case, w: Workspace) -> dict:
     if popen.pop("close_stdin", False):
         popen["preexec_fn"] = lambda: os.close(0)
     popen.setdefault("stdin", subprocess.DEVNULL)
-    before = snapshot(w.root, ROOT / "checkpoints")
+    before = snapshot(w.root)
     t0 = time.monotonic()
     try:
         result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=HANG, **popen)
@@ -469,21 +477,20 @@ def run_case(case: Case, w: Workspace) -> dict:
         status, stdout, stderr = "hang", e.stdout or b"", e.stderr or b""
     seconds = time.monotonic() - t0
     return {"status": status, "stdout": stdout.decode(errors="replace"), "stderr": stderr.decode(errors="replace"),
-            "seconds": seconds, "before": before, "after": snapshot(w.root, ROOT / "checkpoints"),
+            "seconds": seconds, "before": before, "after": snapshot(w.root),
             "expect": [fill(e, w, port) for e in case.expect]}
 
 
 @pytest.fixture(scope="module")
 def results(request, bases, tmp_path_factory):
-    """Every selected row, run WORKERS at a time: {case id: what happened}."""
+    """Every selected subprocess row, run WORKERS at a time: {case id: what happened}."""
     module = sys.modules[__name__]
     wanted = {item.callspec.params["case"].id for item in request.session.items
               if item.module is module and hasattr(item, "callspec") and "case" in item.callspec.params}
-    cases = [c for c in CASES if c.id in wanted and not c.skip]
+    cases = [c for c in CASES if c.id in wanted and not c.skip and not c.inprocess]
     root = tmp_path_factory.mktemp("rows")
     workspaces = {c.id: make_workspace(c, root / c.id, bases) for c in cases}
-    # the torchrun rows first: they are the longest, and start 3 processes each
-    cases.sort(key=lambda c: c.status != -1)
+    cases.sort(key=lambda c: c.status != -1)  # the torchrun rows first: the longest, 3 processes each
     with ThreadPoolExecutor(WORKERS) as pool:
         futures = {c.id: pool.submit(run_case, c, workspaces[c.id]) for c in cases}
         out = {name: future.result() for name, future in futures.items()}
@@ -494,24 +501,37 @@ def results(request, bases, tmp_path_factory):
     return out
 
 
+def assert_untouched(before: dict, after: dict, report: str):
+    new = sorted(set(after) - set(before))
+    gone = sorted(set(before) - set(after))
+    changed = sorted(p for p in before if p in after and before[p] != after[p])
+    assert not new and not gone and not changed, f"new {new}, removed {gone}, changed {changed}\n{report}"
+
+
+SUBPROCESS = [c for c in CASES if not c.inprocess]
+IN_PROCESS = [c for c in CASES if c.inprocess]
+MAINS = {"generate.py": "generate", "quantize.py": "quantize", "scripts/convert_hf_checkpoint.py": "convert_hf_checkpoint",
+         "scripts/convert_gguf_checkpoint.py": "convert_gguf_checkpoint"}
+
+
 def test_table_is_big_enough():
-    assert len(CASES) >= 40
-    assert len({c.id for c in CASES}) == len(CASES)
+    assert len(SUBPROCESS) >= 40 and len({c.id for c in CASES}) == len(CASES)
     assert {"generate.py", "quantize.py", "scripts/convert_hf_checkpoint.py",
-            "scripts/convert_gguf_checkpoint.py", "-m"} <= {c.argv[0] for c in CASES}
+            "scripts/convert_gguf_checkpoint.py", "-m"} <= {c.argv[0] for c in SUBPROCESS}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", SUBPROCESS, ids=[c.id for c in SUBPROCESS])
 def test_bad_input(case, results):
     if case.skip:
         pytest.skip(case.skip)
     r = results[case.id]
     stderr, expect = r["stderr"], r["expect"]
-    report = f"status {r['status']} after {r['seconds']:.1f} s\n--- stdout\n{r['stdout'][-2000:]}\n--- stderr\n{stderr[-4000:]}"
+    report = (f"status {r['status']} after {r['seconds']:.1f} s\n--- stdout\n{r['stdout'][-2000:]}\n"
+              f"--- stderr\n{stderr[-4000:]}")
     assert r["status"] != "hang", report
     assert r["seconds"] < case.bound, report
     if case.status == -1:  # torchrun: both ranks end, the launcher reports the failure
-        assert r["status"] not in (0, "hang"), report
+        assert r["status"] != 0, report
         errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
         assert 1 <= len(errors) <= 2 and all(all(e in line for e in expect) for line in errors), report
         # torchrun's own ChildFailedError report may carry a traceback; our ranks' code never does
@@ -520,20 +540,52 @@ def test_bad_input(case, results):
     else:
         assert r["status"] == case.status, report
         assert "Traceback" not in stderr, report
+        lines = stderr.strip().splitlines()
         if case.status == 1:
-            lines = stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error: "), report
             assert all(e in lines[0] for e in expect), report
-        elif case.status == 2:
-            assert "usage:" in stderr and stderr.strip().splitlines()[-1].count("error:") == 1, report
-            assert all(e in stderr.strip().splitlines()[-1] for e in expect), report
+        elif case.status == 2:  # argparse: usage, then one error line
+            assert "usage:" in stderr and lines[-1].count("error:") == 1, report
+            assert all(e in lines[-1] for e in expect), report
         else:
             assert stderr.strip() == "", report
-    before, after = r["before"], r["after"]
-    new = sorted(set(after) - set(before))
-    gone = sorted(set(before) - set(after))
-    changed = sorted(p for p in before if p in after and before[p] != after[p])
-    assert not new and not gone and not changed, f"new {new}, removed {gone}, changed {changed}\n{report}"
+    assert_untouched(r["before"], r["after"], report)
+
+
+@pytest.mark.parametrize("case", IN_PROCESS, ids=[c.id for c in IN_PROCESS])
+def test_bad_input_in_process(case, bases, tmp_path, monkeypatch, capsys):
+    """The rows whose check raises (UserError, or argparse's SystemExit) as the subprocess rows' do; each
+    CLI's __main__ turns that into its one line, as the subprocess rows show."""
+    if case.skip:
+        pytest.skip(case.skip)
+    import importlib
+    import io
+    w = make_workspace(case, tmp_path / "w", bases)
+    port = free_port()
+    for name in DIST_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, fill(value, w, port))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # --interactive: the end of the input at once
+    main = importlib.import_module(MAINS[case.argv[0]]).main
+    argv = [fill(a, w, port) for a in case.argv[1:]]
+    expect = [fill(e, w, port) for e in case.expect]
+    before = snapshot(w.root)
+    t0 = time.monotonic()
+    if case.status == 1:
+        with pytest.raises(model.UserError) as caught:
+            main(argv)
+        message = str(caught.value)
+        assert "\n" not in message and all(e in message for e in expect), message
+    elif case.status == 2:
+        with pytest.raises(SystemExit) as caught:
+            main(argv)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert caught.value.code == 2 and all(e in last for e in expect), last
+    else:
+        main(argv)
+    assert time.monotonic() - t0 < case.bound
+    assert_untouched(before, snapshot(w.root), case.id)
 
 
 # ----------------------------------------------------------------------------- temp files on interruption

@@ -169,3 +169,47 @@ def test_profile_writes_a_trace(random_target, tmp_path):
     run(random_target, "--ignore_eos", "--profile", str(trace), n=3)
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in e.get("name", "") for e in events)
+
+
+# ----------------------------------------------------------------------------- a batch of different prompts
+
+BATCH = ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4, 60, 61, 62], [1, 30, 31, 32, 33, 34], [1, 250])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rows_of_different_prompts_equal_each_prompt_alone(random_target, compiled):
+    """Four prompts of different lengths decoded together (right-padded prefill, per-row positions): each row
+    is the prompt's own greedy continuation, including a row that stops at EOS early; a second batch of other
+    lengths reuses the compiled graphs."""
+    from torch._dynamo.utils import counters
+    model = generate.load_model(random_target)
+    eager = decode.Engine(model)
+    alone = [generate.generate(eager, torch.tensor(p), 16, decode.Sampling(), [], stop_at_eos=False)[0][0]
+             for p in BATCH]
+    eos = alone[2][5]  # row 2 meets this token early; the others may too, then they stop there as well
+    want = [generate.truncate_at_eos(row, {eos}) for row in alone]
+    torch._dynamo.reset()
+    counters.clear()
+    engine = decode.compile_engine(model, "cpu", compile_prefill=True) if compiled else eager
+    got, _ = generate.generate(engine, [list(p) for p in BATCH], 16, decode.Sampling(), [eos])
+    assert got == want and len(got[2]) <= 6
+    graphs = counters["stats"]["unique_graphs"]
+    shifted = [p[:-1] or p for p in BATCH[1:]] + [list(BATCH[0]) + [7, 7]]  # other lengths, same batch size
+    got, _ = generate.generate(engine, shifted, 16, decode.Sampling(), [], stop_at_eos=False)
+    assert got == [generate.generate(eager, torch.tensor(p), 16, decode.Sampling(), [], stop_at_eos=False)[0][0]
+                   for p in shifted]
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for other prompt lengths
+
+
+def test_prompts_file_rows_in_stats_json(random_target, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def main("}\nHello, my name is\n\n{"prompt": "x = [1, 2"}\n')
+    stats = generate.main(["--checkpoint_path", str(random_target), "--prompts_file", str(prompts),
+                           "--batch_size", "2", "--max_new_tokens", "8", "--temperature", "0", "--ignore_eos",
+                           "--stats_json", str(tmp_path / "stats.json")])
+    rows = json.loads((tmp_path / "stats.json").read_text())["rows"]
+    assert [row["prompt"] for row in rows] == ["def main(", "Hello, my name is", "x = [1, 2"]
+    for row in rows:  # every row equals its prompt run alone
+        alone = run(random_target, "--ignore_eos", prompt=row["prompt"], n=8)
+        assert row["tokens"] == alone["samples"][0]["tokens"] and row["prompt_tokens"] == alone["prompt_tokens"]
+    assert len(stats["samples"]) == 2 and stats["samples"][0]["rows"] == 2
