@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 import speculate
 from decode import PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sdpa_context
@@ -244,6 +243,15 @@ def check_output_file(path: Path, flag: str):
         raise UserError(f"{flag}: cannot write in {parent} ({e.strerror}): pick a writable directory") from None
 
 
+def write_output(path: Path, flag: str, write):
+    """write_atomically, a failure (the disk filled up during the run, the directory went away) one line."""
+    try:
+        write_atomically(path, write)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write it ({e.strerror or e}): free some space or pick another "
+                        f"file") from None
+
+
 def encode_prompt(prompt: str, tokenizer, vocab_size: int, seed: int, chat: bool = False) -> list:
     """The ids the model sees: the tokenizer's own (BOS added exactly as its Hugging Face tokenizer does), the
     chat template's rendering of one user turn (chat), or for a synthetic prompt "N" the tokenizer's special
@@ -332,7 +340,7 @@ def main(argv=None) -> dict:
                                    drafter=drafter, callback=callback)
             sync()
         if profile:
-            write_atomically(args.profile, lambda tmp: prof.export_chrome_trace(str(tmp)))
+            write_output(args.profile, "--profile", lambda tmp: prof.export_chrome_trace(str(tmp)))
         return rows, stats, time.perf_counter() - t
 
     compile_seconds = 0.0
@@ -363,7 +371,7 @@ def main(argv=None) -> dict:
     say(f"Average: {result['tokens_per_sec']:.2f} tokens/s, {result['bandwidth_gbs']:.2f} GB/s")
     say(f"Peak memory: {result['peak_memory_gb']:.2f} GB")
     if args.stats_json and rank == 0:
-        write_atomically(args.stats_json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
+        write_output(args.stats_json, "--stats_json", lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
     return result
 
 
@@ -497,13 +505,28 @@ def cli(argv=None) -> int:
     except UserError as e:
         error, status = f"error: {e}", 1
     except KeyboardInterrupt:
-        error, status = "interrupted", 130
+        error, status = "error: interrupted", 130
+    except RuntimeError as e:  # under torchrun: a collective whose peer is gone (it failed and printed why)
+        if not lost_peer(e):
+            raise
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        reason = reason.split("] ", 1)[-1].split(". ")[0][:160]  # "[.../pair.cc:537] Read error ...: reset by peer"
+        error, status = (f"error: rank {torch.distributed.get_rank()} lost the other ranks ({reason}): another "
+                         f"rank failed; its error is above"), 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         import tp
         tp.end_process(error, status)
     if error:
         print(error, file=sys.stderr)
     return status
+
+
+def lost_peer(e: RuntimeError) -> bool:
+    """A collective failed because another rank went away (gloo: "Connection closed by peer"; NCCL)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    text = str(e)
+    return isinstance(e, torch.distributed.DistError) or any(w in text for w in ("gloo", "NCCL", "closed by peer"))
 
 
 if __name__ == "__main__":

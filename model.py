@@ -7,6 +7,7 @@ verification (positions = prefix length + depth, a mask that shows each node its
 import json
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,20 @@ from torch import Tensor
 class UserError(Exception):
     """A mistake the user can fix (a flag, a missing or inconsistent file). Every CLI prints it as one
     line, `error: <what is wrong>: <what to do>`, and exits with status 1; never a traceback."""
+
+
+def run_cli(main) -> int:
+    """Run a command's main(): a UserError is printed as one line `error: ...` (status 1), Ctrl-C as
+    `error: interrupted` (status 130); the temp files of an interrupted write are removed on the way out."""
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 def write_atomically(path, write):

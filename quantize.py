@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ModelArgs, Transformer, UserError, write_atomically
+from model import ModelArgs, Transformer, UserError, run_cli, write_atomically
 
 GROUPSIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 MIN_SCALE = 1e-6  # an all-equal row or group would otherwise get scale 0
@@ -310,10 +310,4 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(run_cli(main))

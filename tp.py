@@ -52,7 +52,8 @@ def init_distributed(device: str) -> tuple:
         environment = {name: os.environ.get(name, "0") for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         bad = [f"{name}={value!r}" for name, value in environment.items() if not value.isdigit()]
         if bad:
-            raise UserError(f"{', '.join(bad)} is not a number: launch with torchrun --nproc_per_node=N generate.py ...")
+            raise UserError(f"{', '.join(bad)} is not a number: launch with "
+                            f"torchrun --nproc_per_node=N generate.py ...")
         rank, world_size = int(environment["RANK"]), int(environment["WORLD_SIZE"])
         if rank >= world_size:
             raise UserError(f"RANK={rank} is not below WORLD_SIZE={world_size}: launch with torchrun")
@@ -69,9 +70,10 @@ def init_distributed(device: str) -> tuple:
                                     timeout=timedelta(seconds=timeout))
         except (RuntimeError, TimeoutError, ValueError) as e:  # DistStoreError, DistNetworkError are RuntimeErrors
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UserError(f"rank {rank} of {world_size} could not join the others at "
-                            f"{os.environ['MASTER_ADDR']}:{environment['MASTER_PORT']} within {timeout:g} s ({reason}): "
-                            f"start every rank (torchrun --nproc_per_node=N), or raise FASTGEN_DIST_TIMEOUT") from None
+            where = f"{os.environ['MASTER_ADDR']}:{environment['MASTER_PORT']}"
+            raise UserError(f"rank {rank} of {world_size} could not join the others at {where} within {timeout:g} s "
+                            f"({reason}): start every rank (torchrun --nproc_per_node=N), or raise "
+                            f"FASTGEN_DIST_TIMEOUT") from None
         try:  # collectives: back to the backend's default timeout
             dist.distributed_c10d._set_pg_timeout(dist.distributed_c10d._get_default_timeout(backend))
         except (AttributeError, TypeError, ValueError):

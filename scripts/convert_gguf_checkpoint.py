@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from model import ModelArgs, UserError, write_atomically
+from model import ModelArgs, UserError, run_cli, write_atomically
 
 import gguf
 import numpy as np
@@ -274,10 +274,4 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(run_cli(main))

@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from model import UserError, write_atomically  # noqa: E402
+from model import UserError, run_cli, write_atomically  # noqa: E402
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json",
@@ -123,10 +123,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(run_cli(main))

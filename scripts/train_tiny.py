@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from model import ModelArgs, Transformer, UserError, write_atomically  # noqa: E402
+from model import ModelArgs, Transformer, UserError, run_cli, write_atomically  # noqa: E402
 
 BOS_ID, EOS_ID = 1, 2
 HELDOUT_EVERY = 20  # file i is held out when i % 20 == 10
@@ -419,10 +419,4 @@ def run(settings, preset: Preset) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(run_cli(main))
