@@ -23,7 +23,7 @@ import torch
 
 import speculate
 from decode import PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sdpa_context
-from model import ModelArgs, Transformer, UserError, write_atomically
+from model import ModelArgs, Transformer, UserError, read_checkpoint, write_atomically
 from tokenizer import get_tokenizer
 
 
@@ -39,13 +39,7 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
             "; download and convert one with scripts/prepare.sh ORG/MODEL, or train the tiny pair with scripts/train_tiny.py"
         raise UserError(f"checkpoint not found: {path}{hint}")
     args = ModelArgs.from_checkpoint_dir(path.parent)
-    try:
-        checkpoint = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:  # truncated, empty, random bytes, a pickle that needs more than tensors
-        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot read checkpoint {path} ({reason}): re-convert or re-download it") from None
-    if not isinstance(checkpoint, dict):
-        raise UserError(f"{path} does not hold a state dict: re-convert it")
+    checkpoint = read_checkpoint(path)
     scheme = checkpoint.get("quantization") if isinstance(checkpoint.get("quantization"), dict) else None
     state_dict = checkpoint.get("model") if scheme else checkpoint
     with torch.device("meta"):

@@ -24,6 +24,19 @@ class UserError(Exception):
     line, `error: <what is wrong>: <what to do>`, and exits with status 1; never a traceback."""
 
 
+def read_checkpoint(path) -> dict:
+    """torch.load a checkpoint file safely (weights_only: tensors and plain containers, no code; memory-mapped).
+    A file that is truncated, empty, random or not a dict is a UserError naming it."""
+    try:
+        checkpoint = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated, empty, random bytes, a pickle that needs more than tensors
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read checkpoint {path} ({reason}): re-convert or re-download it") from None
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"{path} does not hold a state dict: re-convert it")
+    return checkpoint
+
+
 def run_cli(main) -> int:
     """Run a command's main(): a UserError is printed as one line `error: ...` (status 1), Ctrl-C as
     `error: interrupted` (status 130); the temp files of an interrupted write are removed on the way out."""

@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ModelArgs, Transformer, UserError, run_cli, write_atomically
+from model import ModelArgs, Transformer, UserError, read_checkpoint, run_cli, write_atomically
 
 GROUPSIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 MIN_SCALE = 1e-6  # an all-equal row or group would otherwise get scale 0
@@ -270,13 +270,7 @@ def quantize_checkpoint(checkpoint_path: Path, mode: str, groupsize=None) -> Pat
         raise UserError("--groupsize is for --mode int4 (int8 has one scale per output row): drop --groupsize")
     scheme = {"mode": mode} if mode == "int8" else {"mode": mode, "groupsize": groupsize or 128}
     args = ModelArgs.from_checkpoint_dir(path.parent)
-    try:
-        state_dict = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:  # truncated, empty, random bytes, a pickle that needs more than tensors
-        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot read checkpoint {path} ({reason}): re-convert or re-download it") from None
-    if not isinstance(state_dict, dict):
-        raise UserError(f"{path} does not hold a state dict: re-convert it")
+    state_dict = read_checkpoint(path)
     if isinstance(state_dict.get("quantization"), dict):
         raise UserError(f"{path} is already quantized ({state_dict['quantization'].get('mode')}): "
                         f"quantize the full-precision model.pth instead")

@@ -470,13 +470,12 @@ class DraftModelSpeculator(TreeSpeculator):
                 rows = self.table.rank(tokens.tolist(), log_q.tolist(), log_prior.tolist())
                 return [[(token, None, score, cell) for token, score, cell in row] for row in rows]
             logits = self.engine.forward(x, input_pos, slots, mask)[0]
-        last = len(logits) - 1
-        return [self.sampled_children(row, sampling, exclude if i == last else ()) for i, row in enumerate(logits)]
+        return self.sampled_children(logits, sampling, exclude)
 
     def sampled_children(self, logits: Tensor, sampling: Sampling, exclude=()) -> list:
-        """`width` children drawn without replacement from q, the draft's warped distribution (minus `exclude`,
-        the looked-up tokens tried deterministically at the same node), in the order drawn:
-        [(token, q, log-estimate, cell)].
+        """For each row of logits [rows, V]: `width` children drawn without replacement from q, the draft's warped
+        distribution (the last row's minus `exclude`, the looked-up tokens tried deterministically at the same
+        node), in the order drawn: [[(token, q, log-estimate, cell)]].
 
         Gumbel-top-k (Kool et al. 2019): the k largest log q(x) + G(x), G i.i.d. Gumbel, are k draws without
         replacement, in order. Lossless trees need a node's kept children to be a prefix of its draws, chosen
@@ -485,25 +484,32 @@ class DraftModelSpeculator(TreeSpeculator):
         earlier ones) and along depth (log-estimates <= 0), and select() breaks ties by depth then index, so
         the tree_nodes cut keeps a node by comparing it only with nodes ranked above it, none of which depend
         on its own value or on draws made after it."""
-        q = logits_to_probs(logits, sampling)
-        q = without(q, list(exclude))
+        q = logits_to_probs(logits, sampling)  # [rows, V]
+        if exclude:
+            q[-1] = without(q[-1], list(exclude))
         keys = q.log() - torch.empty_like(q).exponential_().log()  # log q + Gumbel noise
-        drawn = torch.topk(keys, self.width).indices.tolist()
-        top = torch.topk(q, self.width).values.double().tolist()  # q's sorted probabilities: known before drawing
-        drawn = [token for token, p in zip(drawn, top) if p > 0]
+        drawn = torch.topk(keys, self.width, dim=-1).indices.tolist()
+        top = torch.topk(q, self.width, dim=-1).values.double().tolist()  # sorted probabilities: known before drawing
+        drawn = [[token for token, p in zip(tokens, probs) if p > 0] for tokens, probs in zip(drawn, top)]
         if self.width == 1:
-            return [(token, q, 0.0, None) for token in drawn]
-        left, log_q, log_prior = 1.0, [], []
-        for p in top[:len(drawn)]:  # prior of the i-th draw: chance it is the i-th most likely token
-            log_q.append(math.log(p))
-            log_prior.append(math.log(min(1.0, p / max(left, 1e-30))))
-            left -= p
-        ranked = self.table.rank([drawn], [log_q], [log_prior], keep_all=True)[0]
-        children, floor = [], 0.0
-        for token, score, cell in ranked:
-            floor = min(floor, score)  # scores never rise along the draw order
-            children.append((token, q, floor, cell))
-        return children
+            return [[(token, q[r], 0.0, None) for token in tokens] for r, tokens in enumerate(drawn)]
+        log_q, log_prior = [], []
+        for tokens, probs in zip(drawn, top):  # prior of the i-th draw: chance it is the i-th most likely token
+            left, log_q_row, log_prior_row = 1.0, [], []
+            for p in probs[:len(tokens)]:
+                log_q_row.append(math.log(p))
+                log_prior_row.append(math.log(min(1.0, p / max(left, 1e-30))))
+                left -= p
+            log_q.append(log_q_row)
+            log_prior.append(log_prior_row)
+        rows = []
+        for r, ranked in enumerate(self.table.rank(drawn, log_q, log_prior, keep_all=True)):
+            children, floor = [], 0.0
+            for token, score, cell in ranked:
+                floor = min(floor, score)  # scores never rise along the draw order
+                children.append((token, q[r], floor, cell))
+            rows.append(children)
+        return rows
 
     def merge(self, tree: Tree, scores: list, trie: dict, sampling: Sampling):
         """Merge the n-gram lookup's trie into the draft's tree (SpecInfer, Miao et al. 2023, merges the

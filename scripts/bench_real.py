@@ -33,12 +33,12 @@ QUESTIONS = ["What is the capital of France? Answer in two sentences.",
              "Explain what a KV cache is in a transformer, briefly."]
 
 
-def ours(model, drafter_model=None, k=5, nodes=None, ngram=0):
-    """A run function for one of our configurations: compiled target (and drafter)."""
-    engine = decode.compile_engine(model, "cpu", compile_prefill=True)
+def ours(model, drafter_model=None, k=5, nodes=None, ngram=0, compiled=True):
+    """A run function for one of our configurations: compiled (or eager) target and drafter."""
+    engine = decode.compile_engine(model, "cpu", compile_prefill=True) if compiled else decode.Engine(model)
     drafter = speculate.make_drafter(drafter_model, k, nodes, ngram, model.args.block_size) \
         if drafter_model is not None or ngram else None
-    if drafter is not None:
+    if drafter is not None and compiled:
         drafter.compile("cpu")
     stats = {}
 
@@ -83,6 +83,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch and llama.cpp threads (default: every core)")
     p.add_argument("--warm_cache", action="store_true", help="keep inductor's cache (default: cold compile)")
+    p.add_argument("--no_compile", action="store_true", help="our configurations eager (no compile time)")
     p.add_argument("--only", default="", help="comma-separated configuration names to run (default: all)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/real.json")
     args = p.parse_args(argv)
@@ -97,18 +98,20 @@ def main(argv=None):
     tokenizer = get_tokenizer(args.checkpoint_dir)
     prompts = [tokenizer.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
     load = generate.load_model
+    compiled = not args.no_compile
     int4_pth = benchlib.quantized_checkpoint(model_pth, "int4", 32)
     int8_pth = benchlib.quantized_checkpoint(model_pth, "int8")
 
     configs = {  # name -> a function building (run, stats); built lazily, in turn order
-        "ours fp32": lambda: ours(load(model_pth)),
-        "ours bf16": lambda: ours(load(model_pth, precision=torch.bfloat16)),
-        "ours int8": lambda: ours(load(int8_pth)),
-        "ours int4 g32": lambda: ours(load(int4_pth)),
-        "ours fp32, int4 draft chain K=5": lambda: ours(load(model_pth), load(int4_pth), 5),
-        "ours fp32, int4 draft tree N=12 K=4": lambda: ours(load(model_pth), load(int4_pth), 4, 12),
-        "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3),
-        "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4),
+        "ours fp32": lambda: ours(load(model_pth), compiled=compiled),
+        "ours bf16": lambda: ours(load(model_pth, precision=torch.bfloat16), compiled=compiled),
+        "ours int8": lambda: ours(load(int8_pth), compiled=compiled),
+        "ours int4 g32": lambda: ours(load(int4_pth), compiled=compiled),
+        "ours fp32, int4 draft chain K=5": lambda: ours(load(model_pth), load(int4_pth), 5, compiled=compiled),
+        "ours fp32, int4 draft tree N=12 K=4": lambda: ours(load(model_pth), load(int4_pth), 4, 12,
+                                                            compiled=compiled),
+        "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled),
+        "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4, compiled=compiled),
         "transformers fp32": lambda: transformers_run(args.checkpoint_dir),
         "transformers fp32, prompt lookup": lambda: transformers_run(args.checkpoint_dir, prompt_lookup_num_tokens=5),
     }

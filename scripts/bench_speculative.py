@@ -104,6 +104,8 @@ def main(argv=None):
     p.add_argument("--precision", choices=list(decode.PRECISIONS), default="fp32", help="of target and draft")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--no_transformers", action="store_true")
+    p.add_argument("--only", default="", help="comma-separated names of our configurations to run (default: all)")
+    p.add_argument("--no_copy", action="store_true", help="skip the copy task")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/speculative.json")
     args = p.parse_args(argv)
@@ -142,6 +144,8 @@ def main(argv=None):
     def measure(task, temperature, prompts, configs):
         """configs: name -> (draft model or None, K, tree nodes or None, n-gram n or 0); plus plain decoding."""
         sampling = decode.Sampling(temperature)
+        if args.only:
+            configs = {name: c for name, c in configs.items() if name in args.only.split(",")}
         drafters = {"plain": None}
         drafters.update({name: drafter_for(model, k, nodes, ngram, compile_) for name, (model, k, nodes, ngram)
                          in configs.items()})
@@ -185,11 +189,12 @@ def main(argv=None):
                 print(f"  code T={temperature} {name}: {tps:.1f} tok/s", flush=True)
 
     # copy task: draft-free n-gram drafting vs plain (and the draft model's chain and merged tree, for reference)
-    measure("copy", 0.0, copy_prompts, {
-        f"{n}-gram tree N={args.ngram_nodes} K={args.ngram_k}": (None, args.ngram_k, args.ngram_nodes, n),
-        f"{n}-gram chain K={args.ngram_k}": (None, args.ngram_k, None, n),
-        f"chain K={k}": (draft, k, None, 0),
-        f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n)})
+    if not args.no_copy:
+        measure("copy", 0.0, copy_prompts, {
+            f"{n}-gram tree N={args.ngram_nodes} K={args.ngram_k}": (None, args.ngram_k, args.ngram_nodes, n),
+            f"{n}-gram chain K={args.ngram_k}": (None, args.ngram_k, None, n),
+            f"chain K={k}": (draft, k, None, 0),
+            f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n)})
 
     columns = ["task", "temperature", "impl", "config", "tokens_per_sec", "speedup", "tokens_per_target_forward",
                "mean_accepted", "acceptance_rate", "alpha", "c", "predicted_speedup", "efficiency", "same_as_plain"]

@@ -169,13 +169,14 @@ def ratio_with_unfiltered_q(self, logits, sampling, exclude=()):
     """Broken: the draft samples from its top-k / top-p distribution, but verify() is handed the
     distribution before top-k / top-p."""
     unfiltered = logits_to_probs(logits, Sampling(sampling.temperature))
-    return [(token, unfiltered, score, cell) for token, _, score, cell in real_sampled_children(self, logits, sampling)]
+    return [[(token, unfiltered[r], score, cell) for token, _, score, cell in row]
+            for r, row in enumerate(real_sampled_children(self, logits, sampling))]
 
 
 def greedy_draft_with_soft_q(self, logits, sampling, exclude=()):
     """Broken: the draft proposes its argmax, but verify() is told it was sampled from q."""
     q = logits_to_probs(logits, sampling)
-    return [(int(q.argmax()), q, 0.0, None)]
+    return [[(int(row.argmax()), row, 0.0, None)] for row in q]
 
 
 T1, T07_TOPK_TOPP, T1_TOPK = Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.9), Sampling(1.0, top_k=4)

@@ -282,15 +282,14 @@ real_without = speculate.without
 
 def drawn_with_replacement(self, logits, sampling, exclude=()):
     """Broken: siblings drawn independently (with replacement), verified as if drawn without."""
-    children = real_sampled_children(self, logits, sampling, exclude)
-    q = children[0][1]
-    return [(int(speculate.sample_from(q)), q, score, cell) for _, _, score, cell in children]
+    return [[(int(speculate.sample_from(q)), q, score, cell) for _, q, score, cell in row]
+            for row in real_sampled_children(self, logits, sampling, exclude)]
 
 
 def kept_by_their_own_values(self, logits, sampling, exclude=()):
     """Broken: children scored by their own draft probability, so the tree_nodes cut looks at the draws."""
-    return [(token, q, float(q[token].log()), cell) for token, q, _, cell in
-            real_sampled_children(self, logits, sampling, exclude)]
+    return [[(token, q, float(q[token].log()), cell) for token, q, _, cell in row]
+            for row in real_sampled_children(self, logits, sampling, exclude)]
 
 
 def not_renormalized(q, tokens):
@@ -302,8 +301,10 @@ def not_renormalized(q, tokens):
 
 def lookups_not_excluded(self, logits, sampling, exclude=()):
     """Broken: the root's children are drawn from q, but verified as if drawn with the looked-up tokens excluded."""
-    excluded = real_without(speculate.logits_to_probs(logits, sampling), list(exclude))
-    return [(token, excluded, score, cell) for token, _, score, cell in real_sampled_children(self, logits, sampling)]
+    rows = real_sampled_children(self, logits, sampling)
+    excluded = real_without(speculate.logits_to_probs(logits[-1], sampling), list(exclude))
+    rows[-1] = [(token, excluded, score, cell) for token, _, score, cell in rows[-1]]
+    return rows
 
 
 T1, T07_TOPK_TOPP, T05_TOPP = Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.9), Sampling(0.5, top_p=0.8)
