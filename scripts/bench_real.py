@@ -84,7 +84,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch and llama.cpp threads (default: every core)")
     p.add_argument("--warm_cache", action="store_true", help="keep inductor's cache (default: cold compile)")
     p.add_argument("--no_compile", action="store_true", help="our configurations eager (no compile time)")
-    p.add_argument("--only", default="", help="comma-separated configuration names to run (default: all)")
+    p.add_argument("--only", default="", help="semicolon-separated configuration names to run (default: all)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/real.json")
     args = p.parse_args(argv)
     threads = args.threads or os.cpu_count()
@@ -122,7 +122,7 @@ def main(argv=None):
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp column", flush=True)
     if args.only:
-        wanted = set(args.only.split(","))
+        wanted = set(args.only.split(";"))
         configs = {name: build for name, build in configs.items() if name in wanted}
 
     built, compile_seconds, best, outputs = {}, {}, {}, {}
