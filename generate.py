@@ -23,7 +23,7 @@ import torch
 
 import speculate
 from decode import PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sdpa_context
-from model import ModelArgs, Transformer, UserError, read_checkpoint, write_atomically
+from model import ModelArgs, Transformer, UserError, load_weights, read_checkpoint, write_atomically
 from tokenizer import get_tokenizer
 
 
@@ -54,12 +54,7 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
         raise UserError(f"{path} does not hold a state dict of tensors: re-convert it")
     if args.tie_word_embeddings and "output.weight" not in state_dict:
         state_dict = dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
-    try:
-        model.load_state_dict(state_dict, assign=True, strict=True)
-    except RuntimeError as e:  # missing/unexpected keys or shapes: the config and the weights disagree
-        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
-        raise UserError(f"{path} does not match {path.parent / 'config.json'}: {detail}: use the config.json "
-                        f"the checkpoint came with") from None
+    load_weights(model, state_dict, path)
     wrong = [name for name, t in model.state_dict().items()
              if t.is_floating_point() != state_dict.get(name, t).is_floating_point()]
     if wrong:  # assign=True takes the file's dtypes: integer weights where floats belong would fail mid-run

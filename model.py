@@ -37,6 +37,17 @@ def read_checkpoint(path) -> dict:
     return checkpoint
 
 
+def load_weights(model: nn.Module, state_dict: dict, path) -> None:
+    """load_state_dict(strict, assign) on a model built from config.json; a missing or unexpected key, or a
+    shape that disagrees, is a UserError naming the file and its config."""
+    try:
+        model.load_state_dict(state_dict, assign=True, strict=True)
+    except RuntimeError as e:
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
+        raise UserError(f"{path} does not match {Path(path).parent / 'config.json'}: {detail}: use the config.json "
+                        f"the checkpoint came with") from None
+
+
 def run_cli(main) -> int:
     """Run a command's main(): a UserError is printed as one line `error: ...` (status 1), Ctrl-C as
     `error: interrupted` (status 130); the temp files of an interrupted write are removed on the way out."""

@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ModelArgs, Transformer, UserError, read_checkpoint, run_cli, write_atomically
+from model import ModelArgs, Transformer, UserError, load_weights, read_checkpoint, run_cli, write_atomically
 
 GROUPSIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 MIN_SCALE = 1e-6  # an all-equal row or group would otherwise get scale 0
@@ -244,12 +244,7 @@ def check_state_dict(state_dict: dict, args: ModelArgs, path: Path):
         state_dict = dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
     if not all(isinstance(v, Tensor) for v in state_dict.values()):
         raise UserError(f"{path} does not hold a state dict of tensors: re-convert it")
-    try:
-        model.load_state_dict(state_dict, assign=True, strict=True)
-    except RuntimeError as e:  # missing/unexpected keys or shapes
-        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
-        raise UserError(f"{path} does not match {path.parent / 'config.json'}: {detail}: use the config.json "
-                        f"the checkpoint came with") from None
+    load_weights(model, state_dict, path)
     for name, weight in state_dict.items():
         if not weight.is_floating_point():
             raise UserError(f"{path}: {name} holds {weight.dtype} values, not floating point: quantize the "

@@ -50,25 +50,9 @@ class Workspace:
     root: Path
     bases: dict
 
-    @property
-    def ckpt(self):
-        return self.root / "ckpt"
-
-    @property
-    def out(self):
-        return self.root / "out"
-
-    @property
-    def draft(self):
-        return self.root / "draft"
-
-    @property
-    def hf(self):
-        return self.root / "hf"
-
-    @property
-    def gguf(self):
-        return self.root / "m.gguf"
+    def __post_init__(self):
+        self.ckpt, self.out, self.draft, self.hf, self.gguf = (self.root / name for name in
+                                                               ("ckpt", "out", "draft", "hf", "m.gguf"))
 
     def names(self):
         return {"ckpt": self.ckpt, "out": self.out, "draft": self.draft, "hf": self.hf, "gguf": self.gguf,
