@@ -101,10 +101,7 @@ def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eo
                         f"re-convert or re-download it (or try --precision fp32)")
     first = first.clone()
     if drafter is not None:
-        if len(prompts) > 1:
-            raise UserError("speculative decoding runs one prompt at a time (--batch_size 1)")
-        return drafter.generate(target, torch.tensor(prompts[0], device=device), first, max_new_tokens, sampling,
-                                eos_ids, stop_at_eos, callback)
+        return drafter.generate(target, prompts, first, max_new_tokens, sampling, eos_ids, stop_at_eos, callback)
     if callback:
         callback(first)
     eos = set(eos_ids)
@@ -294,14 +291,10 @@ def main(argv=None) -> dict:
                             f"({args.checkpoint_path.parent}): pick a draft from the same model family")
     load_seconds = time.perf_counter() - t0
     drafter = speculate.make_drafter(draft_model, depth, args.tree_nodes, args.draft_ngram, model.args.block_size)
-    if drafter is not None and args.batch_size > 1:
-        raise UserError("speculative decoding runs at --batch_size 1 (it is a latency tool); drop --batch_size")
     eos_ids = sorted(set(model.args.eos_token_ids) | set(tokenizer.eos_ids))
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     prompt_ids = encode_prompt(args.prompt, tokenizer, model.args.vocab_size, args.seed, chat=args.chat)
     if args.prompts_file:
-        if drafter is not None:
-            raise UserError("speculative decoding takes one prompt at a time: drop --prompts_file, or the draft flags")
         texts = read_prompts_file(args.prompts_file)
         ids = [encode_prompt(text, tokenizer, model.args.vocab_size, args.seed, chat=args.chat) for text in texts]
         batches = [ids[i:i + args.batch_size] for i in range(0, len(ids), args.batch_size)]

@@ -8,17 +8,25 @@ with one child per node; the n-gram drafter feeds the same verifier.
 """
 import bisect
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, compile_engine, logits_to_probs, sample_from, sdpa_context
+from decode import Engine, Sampling, compile_engine, decode_n_tokens, logits_to_probs, sample_from, sdpa_context
 from model import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
 GREEDY_RANK_TEMPERATURE = 0.3  # sharpening of the draft's distribution when ranking tree nodes for greedy decoding
+AUTO_PROBE_STEPS = 3  # --speculate_k auto: speculative steps timed against a plain step before choosing
+
+
+def synchronize(model):
+    """Wait for the model's device (timing only; CPU work is already done)."""
+    if model.tok_embeddings.weight.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 @dataclass
@@ -153,18 +161,18 @@ def residual(p: Tensor, q: Optional[Tensor], x: int) -> Tensor:
     return rest / total if total > 0 else p
 
 
-def move_cache_slots(model, src: list, dst: list):
-    """Copy keys/values of cache slots src -> dst (every layer, every row); gather before writing."""
-    pairs = [(s, d) for s, d in zip(src, dst) if s != d]
-    if not pairs:
+def move_cache_slots(model, src: list, dst: list, rows: Optional[list] = None):
+    """Copy keys/values of cache slots src -> dst (every layer) in batch row rows[i] (default: row 0);
+    all reads happen before any write, so a path can move onto slots it is leaving."""
+    moves = [(r, s, d) for r, s, d in zip(rows if rows is not None else [0] * len(src), src, dst) if s != d]
+    if not moves:
         return
     device = model.tok_embeddings.weight.device
-    src_t = torch.tensor([s for s, _ in pairs], device=device)
-    dst_t = torch.tensor([d for _, d in pairs], device=device)
+    row_t, src_t, dst_t = torch.tensor(moves, device=device).unbind(1)
     for layer in model.layers:
         cache = layer.attention.kv_cache
-        cache.k_cache[:, :, dst_t] = cache.k_cache[:, :, src_t]
-        cache.v_cache[:, :, dst_t] = cache.v_cache[:, :, src_t]
+        cache.k_cache[row_t, :, dst_t] = cache.k_cache[row_t, :, src_t]  # [moves, H, D] per side
+        cache.v_cache[row_t, :, dst_t] = cache.v_cache[row_t, :, src_t]
 
 
 @dataclass
@@ -176,6 +184,7 @@ class Stats:
     target_forwards: int = 1  # the prefill
     draft_forwards: int = 0
     drafted: int = 0  # depth drafted, summed over the steps
+    plain_after: Optional[int] = None  # --speculate_k auto chose plain decoding after this many target forwards
 
     def __post_init__(self):
         self.accept_counts = [0] * (self.depth + 1)
@@ -191,32 +200,47 @@ class Stats:
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
             "speculate_k": self.depth, "tree_nodes": self.tree_nodes,
+            **({"plain_after_forwards": self.plain_after} if self.plain_after is not None else {}),
         }
 
 
-def verify_step(target: Engine, tree: Tree, pos: int, sampling: Sampling):
-    """One target forward over the whole tree (node i at cache slot pos + i, RoPE position pos + depth, seeing
-    the prefix and its ancestors), then verification, then the accepted path's keys/values moved to the slots
-    right after the root. Returns (accepted path, the target's next token)."""
+def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, active: Optional[list] = None) -> list:
+    """One target forward over every row's tree (row b's node i at cache slot pos[b] + i, RoPE position
+    pos[b] + depth, seeing the row's prefix and its ancestors), then verification of each active row, then
+    each accepted path's keys/values moved to the slots right after its root. Trees have one size (Tree.pad_to).
+    Returns [(accepted path, the target's next token)] per row; None for an inactive row (a finished one,
+    which keeps its place in the batch so the shapes stay fixed, and changes nothing)."""
     model = target.model
     device = model.tok_embeddings.weight.device
-    n = len(tree.tokens)
-    tokens = torch.tensor([tree.tokens], device=device)
-    input_pos = torch.tensor([[pos + d for d in tree.depths]], device=device)
-    slots = torch.arange(pos, pos + n, device=device).view(1, -1)
-    mask = tree_mask(tree.parents, pos, model.max_seq_length, device)
+    n = len(trees[0].tokens)
+    tokens = torch.tensor([tree.tokens for tree in trees], device=device)  # [B, n]
+    start = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
+    input_pos = start + torch.tensor([tree.depths for tree in trees], device=device)  # [B, n]
+    slots = start + torch.arange(n, device=device)  # [B, n]
+    mask = torch.cat([tree_mask(tree.parents, p, model.max_seq_length, device) for tree, p in zip(trees, pos)])
     with sdpa_context():
-        logits = target.forward(tokens, input_pos, slots, mask)
+        logits = target.forward(tokens, input_pos, slots, mask)  # [B, n, V]
+    active = active if active is not None else [True] * len(trees)
     if sampling.temperature == 0:
-        path, next_token = verify_greedy(tree, logits[0].argmax(-1).tolist())
+        argmax = logits.argmax(-1).tolist()  # one look at the host for the whole batch
+        results = [verify_greedy(tree, row) if live else None for tree, row, live in zip(trees, argmax, active)]
     else:
-        path, next_token = verify(tree, logits_to_probs(logits[0], sampling))
-    move_cache_slots(model, [pos + node for node in path], list(range(pos + 1, pos + 1 + len(path))))
-    return path, next_token
+        probs = logits_to_probs(logits, sampling)  # [B, n, V]
+        results = [verify(tree, row) if live else None for tree, row, live in zip(trees, probs, active)]
+    rows, src, dst = [], [], []
+    for b, result in enumerate(results):
+        if result is not None:
+            path = result[0]
+            rows += [b] * len(path)
+            src += [pos[b] + node for node in path]
+            dst += range(pos[b] + 1, pos[b] + 1 + len(path))
+    move_cache_slots(model, src, dst, rows)
+    return results
 
 
 class TreeSpeculator:
-    """The generation loop shared by every drafter: draft a tree, verify it, compact the caches, repeat."""
+    """The generation loop shared by every drafter: draft a tree per row, verify them all in one target forward,
+    compact the caches, repeat. Rows (different prompts) keep their own cache length, acceptance and stop."""
     kind = "tree"
 
     def __init__(self, depth: int, tree_nodes: int, auto_depth: bool = False):
@@ -226,54 +250,128 @@ class TreeSpeculator:
     def compile(self, device: str, compile_prefill: bool = False):
         pass
 
-    def generate(self, target: Engine, prompt: Tensor, first: Tensor, max_new_tokens: int, sampling: Sampling,
+    def generate(self, target: Engine, prompts: list, first: Tensor, max_new_tokens: int, sampling: Sampling,
                  eos_ids: list, stop_at_eos: bool, callback=None):
-        """Tokens after `prompt` (1-D ids; the target's cache holds it) and `first` (the prefill's token).
-        Returns ([new ids], acceptance stats)."""
+        """Tokens after each row's prompt (lists of ids, any lengths; the target's cache holds them, right-padded)
+        and `first` ([B], the prefill's tokens). Returns ([new ids per row], acceptance stats)."""
+        batch = len(prompts)
+        assert callback is None or batch == 1, "streaming is for one row"
         stats = Stats(self.depth, self.tree_nodes)
         eos = set(eos_ids)
-        pos = prompt.numel()  # slot of the current (last accepted, not yet cached) token
-        history = prompt.tolist()
-        out = [int(first[0])]
+        pos = [len(p) for p in prompts]  # each row's slot of its current token (last accepted, not yet cached)
+        outs = [[t] for t in first.tolist()]
         if callback:
             callback(first)
-        stats.draft_forwards += self.start(prompt, target.model.max_seq_length)
+
+        def finished(out):
+            return len(out) >= max_new_tokens or (stop_at_eos and out[-1] in eos)
+
+        live = [not finished(out) for out in outs]
+        contexts = [p + out for p, out in zip(prompts, outs)]  # a finished row's stays as it was: it idles
+        stats.draft_forwards += self.start(prompts, target.model.max_seq_length)
         depth = self.depth if not self.auto_depth else min(2, self.depth)
-        while len(out) < max_new_tokens and not (stop_at_eos and out[-1] in eos):
-            tree, forwards = self.draft(out[-1], pos, depth, history + out, sampling)
-            path, next_token = verify_step(target, tree.pad_to(self.tree_nodes + 1), pos, sampling)
-            self.accepted(path, tree, pos)
+        # --speculate_k auto: time a plain decode step, then the first speculative steps; decode plainly from
+        # there on if speculation produced fewer tokens per second (large batches: the verify forward is compute
+        # bound). Which lossless procedure makes the next tokens depends only on the past: still lossless.
+        plain_seconds = self.plain_step_seconds(target, contexts, pos, sampling) if self.auto_depth else None
+        timed = {"steps": 0, "seconds": 0.0, "tokens": 0, "plain_tokens": 0}
+        while any(live):
+            if plain_seconds is not None and timed["steps"] == AUTO_PROBE_STEPS + 1:
+                if timed["tokens"] / timed["seconds"] < timed["plain_tokens"] / plain_seconds:
+                    stats.plain_after = stats.target_forwards
+                    left = max(max_new_tokens - len(out) for out, alive in zip(outs, live) if alive)
+                    stats.target_forwards += self.decode_plainly(target, contexts, pos, outs, live, finished, left,
+                                                                 sampling, eos_ids, stop_at_eos, callback)
+                    break
+                plain_seconds = None  # speculation wins here: no more timing
+            started, produced, rows = time.perf_counter(), sum(map(len, outs)), sum(live)
+            trees, forwards = self.draft([c[-1] for c in contexts], pos, depth, contexts, sampling)
+            results = verify_step(target, [tree.pad_to(self.tree_nodes + 1) for tree in trees], pos, sampling, live)
+            paths = [result[0] if result else None for result in results]
+            self.accepted(paths, trees, pos)
             stats.draft_forwards += forwards
             stats.target_forwards += 1
-            stats.accept_counts[len(path)] += 1
-            stats.drafted += depth
-            if self.auto_depth:  # grow after a fully accepted chain, shrink after a rejection
-                depth = min(self.depth, depth + 2) if len(path) == depth else max(1, depth - 1)
-            new = [tree.tokens[node] for node in path] + [next_token]
-            pos += len(new)
-            for t in new:
-                if len(out) >= max_new_tokens or (stop_at_eos and out[-1] in eos):
+            for b, result in enumerate(results):
+                if result is None:
+                    continue
+                path, next_token = result
+                stats.accept_counts[len(path)] += 1
+                stats.drafted += depth
+                new = [trees[b].tokens[node] for node in path] + [next_token]
+                for t in new:
+                    outs[b].append(t)
+                    if callback:
+                        callback(torch.tensor([t]))
+                    if finished(outs[b]):
+                        live[b] = False
+                        break
+                if live[b]:
+                    pos[b] += len(new)
+                    contexts[b] += new
+            if plain_seconds is not None:
+                synchronize(target.model)
+                timed["steps"] += 1
+                if timed["steps"] > 1:  # the first step may have compiled graphs
+                    timed["seconds"] += time.perf_counter() - started
+                    timed["tokens"] += sum(map(len, outs)) - produced
+                    timed["plain_tokens"] += rows
+            if self.auto_depth:  # grow after fully accepted chains, shrink after rejections
+                accepted = [len(p) for p, r in zip(paths, results) if r is not None]
+                mean = sum(accepted) / max(len(accepted), 1)
+                depth = min(self.depth, depth + 2) if mean == depth else max(1, depth - 1) if mean < depth - 0.5 \
+                    else depth
+        self.finish(outs)
+        return outs, stats.summary()
+
+    @staticmethod
+    def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling) -> float:
+        """Seconds of one plain decode step of the whole batch: the target's decode graph on each row's current
+        token, which writes only the cache slot that token's verification writes again with the same values.
+        Timed on the second call (the first may compile the graph)."""
+        model = target.model
+        device = model.tok_embeddings.weight.device
+        x = torch.tensor([c[-1] for c in contexts], device=device).view(-1, 1)  # [B, 1]
+        input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
+        for _ in range(2):
+            synchronize(model)
+            started = time.perf_counter()
+            with sdpa_context():
+                target.decode_one_token(model, x, input_pos, sampling)
+            synchronize(model)
+        return time.perf_counter() - started
+
+    @staticmethod
+    def decode_plainly(target: Engine, contexts: list, pos: list, outs: list, live: list, finished, n: int,
+                       sampling: Sampling, eos_ids: list, stop_at_eos: bool, callback=None) -> int:
+        """Finish the live rows one token per target forward (decode.decode_n_tokens: at most n tokens after
+        each row's current one); returns the forwards it took."""
+        device = target.model.tok_embeddings.weight.device
+        roots = torch.tensor([c[-1] for c in contexts], device=device)  # [B]
+        rest = decode_n_tokens(target, roots, torch.tensor(pos, device=device), n, sampling, eos_ids, stop_at_eos,
+                               callback)
+        for b, column in enumerate(torch.stack(rest, 1).tolist()):  # [B, forwards]
+            for t in column:
+                if not live[b]:
                     break
-                out.append(t)
-                if callback:
-                    callback(torch.tensor([t]))
-        self.finish(out)
-        return [out], stats.summary()
+                outs[b].append(t)
+                live[b] = not finished(outs[b])
+        return len(rest)
 
     # what a drafter provides
-    def start(self, prompt: Tensor, max_seq_length: int) -> int:
-        """A new generation after `prompt`; returns the draft forwards it ran."""
+    def start(self, prompts: list, max_seq_length: int) -> int:
+        """A new generation after each row's prompt; returns the draft forwards it ran."""
         return 0
 
-    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling):
-        """The tree to verify, rooted at `root` (cache slot pos), and the draft forwards it took."""
+    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling):
+        """One tree per row, rooted at roots[b] (cache slot pos[b]; contexts[b] ends with it), and the draft
+        forwards they took."""
         raise NotImplementedError
 
-    def accepted(self, path: list, tree: Tree, pos: int):
-        """The verifier accepted `path` (node indices of `tree`)."""
+    def accepted(self, paths: list, trees: list, pos: list):
+        """The verifier accepted paths[b] (node indices of trees[b]) in each row; None in a finished row."""
 
-    def finish(self, tokens: list):
-        """The generation ended with these new tokens."""
+    def finish(self, outs: list):
+        """The generation ended with these new tokens (one list per row)."""
 
 
 def greedy_candidates(logits: Tensor, width: int):
@@ -287,10 +385,18 @@ def greedy_candidates(logits: Tensor, width: int):
     return top.indices, log_q, log_prior
 
 
+def draft_logits(model, x: Tensor, input_pos: Tensor, slots: Optional[Tensor], mask: Optional[Tensor],
+                 last: bool) -> Tensor:
+    """A draft forward over x [B, T]: the logits of each row's last query [B, V] if `last`, else of every
+    query, row by row [B * T, V]."""
+    logits = model(x, input_pos, slots, mask)  # [B, T, V]
+    return logits[:, -1] if last else logits.flatten(0, 1)
+
+
 def draft_candidates(model, x: Tensor, input_pos: Tensor, slots: Optional[Tensor], mask: Optional[Tensor],
-                     width: int):
-    """A draft forward and greedy_candidates() of its logits, in one graph when compiled."""
-    return greedy_candidates(model(x, input_pos, slots, mask)[0], width)
+                     width: int, last: bool):
+    """draft_logits() and greedy_candidates() of them, in one graph when compiled."""
+    return greedy_candidates(draft_logits(model, x, input_pos, slots, mask, last), width)
 
 
 class AcceptanceTable:
@@ -377,14 +483,15 @@ class DraftModelSpeculator(TreeSpeculator):
         super().__init__(depth, tree_nodes, auto_depth)
         self.draft_model = draft_model
         self.lookup = Lookup(ngram) if ngram else None  # n-gram branches merged into the draft's tree
+        self.lookups = []  # one per row of the current generation (sharing self.lookup's earlier samples)
         self.kind = "draft" if tree_nodes == depth else "tree"  # stats: a chain, or token-tree verification
         self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth)))
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         self.engine = Engine(draft_model)
-        self.candidates = draft_candidates
+        self.candidates, self.logits = draft_candidates, draft_logits
         self.write_cache = draft_model
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
-        self.pending = []  # accepted tokens not yet in the draft's cache (they come before the next root)
+        self.pending = []  # per row: accepted tokens not yet in the draft's cache (they come before the next root)
 
     def compile(self, device: str, compile_prefill: bool = False):
         """Static graphs for the per-step forwards; the draft's prefill and its catch-up on looked-up tokens
@@ -393,89 +500,107 @@ class DraftModelSpeculator(TreeSpeculator):
         self.engine = compile_engine(self.draft_model, device, compile_prefill)
         mode = "reduce-overhead" if device.startswith("cuda") else None
         self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
+        self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
         if compile_prefill:
             self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
 
-    def start(self, prompt: Tensor, max_seq_length: int) -> int:
-        self.draft_model.setup_caches(1, max_seq_length)
-        input_pos = torch.arange(prompt.numel(), device=prompt.device).view(1, -1)
+    def start(self, prompts: list, max_seq_length: int) -> int:
+        device = self.draft_model.tok_embeddings.weight.device
+        self.draft_model.setup_caches(len(prompts), max_seq_length)
+        T = max(len(p) for p in prompts)
+        x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # [B, T], right-padded
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
         with sdpa_context():
-            self.engine.prefill(self.draft_model, prompt.view(1, -1), input_pos, Sampling())
-        self.pending = []
-        if self.lookup:
-            self.lookup.start()
+            self.engine.prefill(self.draft_model, x, torch.arange(T, device=device).expand(len(prompts), T),
+                                Sampling(), lengths - 1)
+        self.pending = [[] for _ in prompts]
+        self.lookups = [self.lookup.fresh() for _ in prompts] if self.lookup else []
         return 1
 
-    def finish(self, tokens: list):
+    def finish(self, outs: list):
         if self.lookup:
-            self.lookup.finish(tokens)
+            for out in outs:
+                self.lookup.finish(out)
 
-    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling):
+    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling):
         device = self.draft_model.tok_embeddings.weight.device
-        forwards = 0
-        # a looked-up path the draft never read: all but its last token go into the cache first (any length)
-        if len(self.pending) > 1:
-            start = pos - len(self.pending)
-            x = torch.tensor([self.pending[:-1]], device=device)
+        batch, forwards = len(roots), 0
+        # accepted tokens the draft never read sit just before each root: a looked-up path (any length) goes into
+        # the cache first, all but its last token; rows with fewer re-read tokens they already hold (same values)
+        longest = max(len(p) for p in self.pending)
+        if longest > 1:
+            at = [[max(0, p - longest + j) for j in range(longest - 1)] for p in pos]  # [B, longest - 1]
+            x = torch.tensor([[context[i] for i in row] for context, row in zip(contexts, at)], device=device)
             with sdpa_context():
-                self.write_cache(x, torch.arange(start, pos - 1, device=device).view(1, -1))
+                self.write_cache(x, torch.tensor(at, device=device))
             forwards += 1
-            self.pending = self.pending[-1:]
-        trie = self.lookup.trie(context, depth) if self.lookup else {}
-        # depth 1: the pending token (if any) and the root, whose distribution gives the first children
-        feed = self.pending + [root]
-        x = torch.tensor([feed], device=device)
-        input_pos = torch.arange(pos - len(self.pending), pos + 1, device=device).view(1, -1)
-        children = self.read(x, input_pos, None, None, sampling, exclude=list(trie) if sampling.temperature else [])[-1:]
+        # depth 1: each row's last pending token (or, in rows with none, the token it already holds there) and its
+        # root, whose distribution gives the first children; the default causal mask over slots = positions
+        feed = 2 if longest else 1
+        x = torch.tensor([context[-feed:] for context in contexts], device=device)  # [B, feed]
+        input_pos = torch.tensor(pos, device=device).view(-1, 1) + torch.arange(1 - feed, 1, device=device)  # [B, feed]
+        tries = [lookup.trie(context, depth) for lookup, context in zip(self.lookups, contexts)] \
+            if self.lookup else [{}] * batch
+        exclude = [list(trie) for trie in tries] if sampling.temperature else None
+        children = [[kids] for kids in self.read(x, input_pos, None, None, sampling, exclude, last=True)]
         forwards += 1
-        self.pending = []
-        tree = Tree.rooted_at(root, pos)
-        frontier, scores = [0], [0.0]
+        self.pending = [[] for _ in roots]
+        trees = [Tree.rooted_at(root, p) for root, p in zip(roots, pos)]
+        scores = [[0.0] for _ in roots]
+        frontiers = [[0] for _ in roots]
         for d in range(1, depth + 1):
-            newest = []
-            for parent, kids in zip(frontier, children):
-                for token, proposal, logp, cell in kids:
-                    newest.append(tree.add(token, parent, proposal, cell))
-                    scores.append(scores[parent] + logp)
-            if d == depth or not newest:
+            newest = [[] for _ in roots]
+            for b, tree in enumerate(trees):
+                for parent, kids in zip(frontiers[b], children[b]):
+                    for token, proposal, logp, cell in kids:
+                        newest[b].append(tree.add(token, parent, proposal, cell))
+                        scores[b].append(scores[b][parent] + logp)
+            if d == depth or not any(newest):
                 break
-            frontier = sorted(newest, key=lambda i: -scores[i])[: self.width]
-            # one forward over the whole frontier, each node seeing the prefix and its ancestors
-            base = pos + 1 + (d - 1) * self.width
-            for j, node in enumerate(frontier):
-                tree.draft_slots[node] = base + j
-            # a chain sits at consecutive slots (slot = position): the default causal mask is its tree mask
+            # one forward over every row's frontier (its `width` best newest nodes), each node seeing the row's
+            # prefix and its ancestors; a chain sits at consecutive slots (slot = position), where the default
+            # causal mask is its tree mask
+            frontiers = [sorted(nodes, key=lambda i: -s[i])[: self.width] for nodes, s in zip(newest, scores)]
+            base = [p + 1 + (d - 1) * self.width for p in pos]
+            rows = []  # [B][width] nodes fed: the frontier, padded with copies of its last node (the root if empty)
+            for b, (tree, frontier) in enumerate(zip(trees, frontiers)):
+                for j, node in enumerate(frontier):
+                    tree.draft_slots[node] = base[b] + j
+                rows.append(frontier + (frontier[-1:] or [0]) * (self.width - len(frontier)))
             slots = mask = None
-            rows = frontier
             if self.width > 1:
-                rows = frontier + frontier[-1:] * (self.width - len(frontier))  # one static shape: pad with copies
-                mask = self.frontier_mask(tree, rows, pos, base)
-                slots = torch.arange(base, base + self.width, device=device).view(1, -1)
-            x = torch.tensor([[tree.tokens[n] for n in rows]], device=device)
-            input_pos = torch.full((1, len(rows)), pos + d, device=device)
-            children = self.read(x, input_pos, slots, mask, sampling)[:len(frontier)]
+                mask = torch.cat([self.frontier_mask(tree, row, p, s) for tree, row, p, s in zip(trees, rows, pos, base)])
+                slots = torch.tensor(base, device=device).view(-1, 1) + torch.arange(self.width, device=device)
+            x = torch.tensor([[tree.tokens[n] for n in row] for tree, row in zip(trees, rows)], device=device)
+            input_pos = torch.tensor(pos, device=device).view(-1, 1).expand(batch, self.width) + d  # [B, width]
+            flat = self.read(x, input_pos, slots, mask, sampling)  # [B * width][children]
+            children = [flat[b * self.width: b * self.width + len(frontier)] for b, frontier in enumerate(frontiers)]
             forwards += 1
-        if trie:
-            self.merge(tree, scores, trie, sampling)
-        return self.select(tree, scores), forwards
+        out = []
+        for tree, s, trie in zip(trees, scores, tries):
+            if trie:
+                self.merge(tree, s, trie, sampling)
+            out.append(self.select(tree, s))
+        return out, forwards
 
-    def read(self, x: Tensor, input_pos: Tensor, slots, mask, sampling: Sampling, exclude=()) -> list:
-        """One draft forward; the children of each row of x, best first: [[(token, proposal, log-estimate,
-        cell)]], proposal None for a deterministic child. `exclude`: tokens the last row must not draw."""
+    def read(self, x: Tensor, input_pos: Tensor, slots, mask, sampling: Sampling, exclude=None, last=False) -> list:
+        """One draft forward over x [B, T]; the children of each query (of each row's last one if `last`), best
+        first: [[(token, proposal, log-estimate, cell)]], proposal None for a deterministic child.
+        `exclude`: per query, tokens it must not draw."""
         with sdpa_context():
             if sampling.temperature == 0:
-                tokens, log_q, log_prior = self.candidates(self.draft_model, x, input_pos, slots, mask, self.width)
+                tokens, log_q, log_prior = self.candidates(self.draft_model, x, input_pos, slots, mask, self.width, last)
                 if self.width == 1:  # chain: the argmax, a point-mass proposal
                     return [[(token, None, 0.0, None)] for token in tokens[:, 0].tolist()]
                 rows = self.table.rank(tokens.tolist(), log_q.tolist(), log_prior.tolist())
                 return [[(token, None, score, cell) for token, score, cell in row] for row in rows]
-            logits = self.engine.forward(x, input_pos, slots, mask)[0]
+            logits = self.logits(self.draft_model, x, input_pos, slots, mask, last)
         return self.sampled_children(logits, sampling, exclude)
 
-    def sampled_children(self, logits: Tensor, sampling: Sampling, exclude=()) -> list:
+    def sampled_children(self, logits: Tensor, sampling: Sampling, exclude=None) -> list:
         """For each row of logits [rows, V]: `width` children drawn without replacement from q, the draft's warped
-        distribution (the last row's minus `exclude`, the looked-up tokens tried deterministically at the same
-        node), in the order drawn: [[(token, q, log-estimate, cell)]].
+        distribution (minus the row's `exclude`: the looked-up tokens tried deterministically at the same node),
+        in the order drawn: [[(token, q, log-estimate, cell)]].
 
         Gumbel-top-k (Kool et al. 2019): the k largest log q(x) + G(x), G i.i.d. Gumbel, are k draws without
         replacement, in order. Lossless trees need a node's kept children to be a prefix of its draws, chosen
@@ -485,8 +610,9 @@ class DraftModelSpeculator(TreeSpeculator):
         the tree_nodes cut keeps a node by comparing it only with nodes ranked above it, none of which depend
         on its own value or on draws made after it."""
         q = logits_to_probs(logits, sampling)  # [rows, V]
-        if exclude:
-            q[-1] = without(q[-1], list(exclude))
+        for r, tokens in enumerate(exclude or []):
+            if tokens:
+                q[r] = without(q[r], tokens)
         keys = q.log() - torch.empty_like(q).exponential_().log()  # log q + Gumbel noise
         drawn = torch.topk(keys, self.width, dim=-1).indices.tolist()
         top = torch.topk(q, self.width, dim=-1).values.double().tolist()  # sorted probabilities: known before drawing
@@ -567,14 +693,21 @@ class DraftModelSpeculator(TreeSpeculator):
         keep = sorted(drafted, key=lambda i: (-scores[i], tree.depths[i], i))[: self.tree_nodes]
         return tree.subtree(sorted(keep, key=lambda i: (tree.depths[i], i)))
 
-    def accepted(self, path: list, tree: Tree, pos: int):
+    def accepted(self, paths: list, trees: list, pos: list):
         """Compact the draft's cache like the target's; a last accepted node the draft never consumed
         is fed at the start of the next step. Trees also record which nodes were accepted."""
-        if self.width > 1:
-            self.table.observe(tree, path)
-        fed = [node for node in path if tree.draft_slots[node] is not None]
-        move_cache_slots(self.draft_model, [tree.draft_slots[n] for n in fed], list(range(pos + 1, pos + 1 + len(fed))))
-        self.pending = [tree.tokens[n] for n in path[len(fed):]]
+        rows, src, dst = [], [], []
+        for b, (path, tree) in enumerate(zip(paths, trees)):
+            if path is None:  # a finished row: nothing moves
+                continue
+            if self.width > 1:
+                self.table.observe(tree, path)
+            fed = [node for node in path if tree.draft_slots[node] is not None]
+            rows += [b] * len(fed)
+            src += [tree.draft_slots[n] for n in fed]
+            dst += range(pos[b] + 1, pos[b] + 1 + len(fed))
+            self.pending[b] = [tree.tokens[n] for n in path[len(fed):]]
+        move_cache_slots(self.draft_model, src, dst, rows)
 
 
 class Lookup:
@@ -582,14 +715,15 @@ class Lookup:
     earlier in the context (prompt and output) and in the earlier samples of the run, merged into a trie.
     Every 1..n-1-gram's occurrences are indexed as the text grows, so a lookup scans nothing."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, in_samples: Optional[dict] = None):
         self.n = n
-        self.in_samples = {}  # gram (tuple) -> [(an earlier sample's ids, index just after the gram)]
-        self.start()
-
-    def start(self):
-        """A new generation: forget the previous context (its sample stays, through finish())."""
+        # gram (tuple) -> [(an earlier sample's ids, index just after the gram)]
+        self.in_samples = {} if in_samples is None else in_samples
         self.context, self.in_context = [], {}
+
+    def fresh(self) -> "Lookup":
+        """A lookup for a new generation (one row): its own context, this run's earlier samples."""
+        return Lookup(self.n, self.in_samples)
 
     def index(self, where: dict, text: list, start: int):
         for end in range(start + 1, len(text) + 1):
@@ -627,12 +761,14 @@ class NgramSpeculator(TreeSpeculator):
         super().__init__(depth, tree_nodes)
         self.lookup = Lookup(n)
 
-    def start(self, prompt: Tensor, max_seq_length: int) -> int:
-        self.lookup.start()
+    def start(self, prompts: list, max_seq_length: int) -> int:
+        self.lookups = [self.lookup.fresh() for _ in prompts]
         return 0
 
-    def draft(self, root: int, pos: int, depth: int, context: list, sampling: Sampling):
-        return self.best_first(root, self.lookup.trie(context, depth)), 0
+    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling):
+        trees = [self.best_first(root, lookup.trie(context, depth))
+                 for root, lookup, context in zip(roots, self.lookups, contexts)]
+        return trees, 0
 
     def best_first(self, root: int, trie: dict) -> Tree:
         tree = Tree.rooted_at(root)
@@ -644,8 +780,9 @@ class NgramSpeculator(TreeSpeculator):
             frontier += [(-c, depth + 1, t, s, node) for t, (c, s) in sub.items()]
         return tree
 
-    def finish(self, tokens: list):
-        self.lookup.finish(tokens)
+    def finish(self, outs: list):
+        for out in outs:
+            self.lookup.finish(out)
 
 
 def same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size: int, draft_vocab_size: int) -> bool:

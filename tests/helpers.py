@@ -84,7 +84,9 @@ def plain_greedy(target, prompt=PROMPTS[0], n=40) -> list:
 VOCAB = 32
 PREFIX, FIRST = [1, 7, 5, 9, 3], 7  # the prompt, and the token the target emitted at prefill (7 -> 5 9 recurs:
 # an n-gram lookup proposes it)
+PREFIX2 = [1, 2, 7, 5, 9, 4, 6, 3]  # a longer prompt: its rows sit at other positions in the same batch
 DRAWS = 20_000
+ROWS = 250  # draws run this many rows at a time (batched speculation); each row is an independent draw
 REJECT_BELOW = 1e-6  # a correct sampler fails one check with probability 1e-6; the broken ones score < 1e-15
 
 
@@ -92,64 +94,65 @@ class TableModel:
     """Stands in for a Transformer inside the speculative loop, so that 20,000 draws take seconds, not
     minutes: its forward returns, for each query, the logits the real tiny Transformer `model` gives for
     the context that query sees, read from tables filled by one batched forward over every continuation
-    of PREFIX + [FIRST] by up to `depth` tokens.
+    of prompt + [FIRST] by up to `depth` tokens, for each prompt in `prompts` (any other context: the
+    real model's forward, remembered).
 
-    Its "KV cache" holds the (token, position) written at each slot. The mask the loop passes (or the
-    causal default) decides which slots a query sees, and speculate.move_cache_slots compacts them as it
-    does real keys and values; a query that sees positions other than 0, 1, 2, ... is an error."""
+    Its "KV cache" holds the (token, position) written at each slot of each row. The mask the loop passes
+    (or the causal default) decides which slots a query sees, and speculate.move_cache_slots compacts them
+    as it does real keys and values; a query that sees positions other than 0, 1, 2, ... is an error."""
 
-    def __init__(self, model: Transformer, depth: int):
-        n = len(PREFIX)
+    def __init__(self, model: Transformer, depth: int, prompts=(PREFIX, PREFIX2)):
+        self.model, self.rows = model, {}
         tails = torch.cartesian_prod(*[torch.arange(VOCAB)] * depth).view(-1, depth)
-        sequences = torch.cat([torch.tensor(PREFIX + [FIRST]).expand(len(tails), -1), tails], 1)
-        model.setup_caches(len(sequences), sequences.shape[1])
-        with torch.no_grad():
-            logits = model(sequences, torch.arange(sequences.shape[1]).expand_as(sequences))
-        logits = logits.view(*[VOCAB] * depth, n + 1 + depth, VOCAB)
-        self.prompt_logits = logits[(0,) * depth][:n].clone()  # [n, vocab]: after each prompt prefix
-        # levels[k][tail]: logits after PREFIX + [FIRST] + tail, for tails of k tokens
-        self.levels = [logits[(slice(None),) * k + (0,) * (depth - k) + (n + k,)].clone() for k in range(depth + 1)]
-        self.rows = {}
+        for prompt in prompts:
+            n = len(prompt)
+            sequences = torch.cat([torch.tensor(prompt + [FIRST]).expand(len(tails), -1), tails], 1)
+            model.setup_caches(len(sequences), sequences.shape[1])
+            with torch.no_grad():
+                logits = model(sequences, torch.arange(sequences.shape[1]).expand_as(sequences))
+            for i in range(1, n + 1):  # the prompt's own prefixes
+                self.rows[tuple(prompt[:i])] = logits[0, i - 1].clone()
+            for k in range(depth + 1):  # prompt + [FIRST] + tails of k tokens: one table row per distinct tail
+                for tail, row in zip(tails[::VOCAB ** (depth - k)].tolist(), logits[::VOCAB ** (depth - k), n + k]):
+                    self.rows[tuple(prompt + [FIRST] + tail[:k])] = row.clone()
         self.tok_embeddings = SimpleNamespace(weight=torch.empty(0))  # the speculator reads its .device
-        self.max_seq_length = -1
+        self.max_batch_size, self.max_seq_length = 0, -1
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        if max_seq_length <= self.max_seq_length:
+        if max_batch_size <= self.max_batch_size and max_seq_length <= self.max_seq_length:
             return
-        self.max_seq_length = max_seq_length
-        self.cache = SimpleNamespace(k_cache=torch.full((1, 1, max_seq_length, 2), -1),
-                                     v_cache=torch.zeros(1, 1, max_seq_length))
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        self.cache = SimpleNamespace(k_cache=torch.full((max_batch_size, 1, max_seq_length, 2), -1),
+                                     v_cache=torch.zeros(max_batch_size, 1, max_seq_length))
         self.layers = [SimpleNamespace(attention=SimpleNamespace(kv_cache=self.cache))]
 
     def logits(self, context: tuple):
         row = self.rows.get(context)
-        if row is None:
-            n = len(PREFIX)
-            if len(context) <= n:
-                assert list(context) == PREFIX[:len(context)], context
-                row = self.prompt_logits[len(context) - 1]
-            elif list(context[:n]) == PREFIX and context[n] != FIRST and len(context) == n + 1:
-                row = torch.zeros(VOCAB)  # a padding node (speculate.Tree.pad_to): sees the prefix and itself only
-            else:
-                assert list(context[:n + 1]) == PREFIX + [FIRST] and len(context) - n - 1 < len(self.levels), context
-                row = self.levels[len(context) - n - 1][context[n + 1:]]
+        if row is None:  # e.g. a padding node (speculate.Tree.pad_to), or a right-padded prompt
+            with torch.no_grad():
+                self.model.setup_caches(1, len(context))
+                row = self.model(torch.tensor([context]), torch.arange(len(context)).view(1, -1))[0, -1]
             self.rows[context] = row
         return row
 
     def __call__(self, idx, input_pos, slots=None, mask=None):
         slots = input_pos if slots is None else slots
-        self.cache.k_cache[0, 0, slots[0]] = torch.stack([idx[0], input_pos[0]], -1)
-        written = self.cache.k_cache[0, 0].tolist()
+        batch = idx.shape[0]
+        self.cache.k_cache[torch.arange(batch).unsqueeze(1), 0, slots] = torch.stack([idx, input_pos], -1)
+        written = self.cache.k_cache[:batch, 0].tolist()  # [B][slot] = [token, position]
         if mask is None:  # the model's default: causal over slots
-            seen = [range(slot + 1) for slot in slots[0].tolist()]
+            seen = [[range(slot + 1) for slot in row] for row in slots.tolist()]
         else:
-            seen = [[j for j, visible in enumerate(row) if visible] for row in mask[0, 0].tolist()]
-        rows = []
-        for visible in seen:
-            context, positions = zip(*(written[j] for j in visible))
-            assert positions == tuple(range(len(positions))), f"a query sees the positions {positions}"
-            rows.append(self.logits(context))
-        return torch.stack(rows).unsqueeze(0)
+            seen = [[[j for j, visible in enumerate(query) if visible] for query in row[0]] for row in mask.tolist()]
+        out = []
+        for row_written, row_seen in zip(written, seen):
+            rows = []
+            for visible in row_seen:
+                context, positions = zip(*(row_written[j] for j in visible))
+                assert positions == tuple(range(len(positions))), f"a query sees the positions {positions}"
+                rows.append(self.logits(context))
+            out.append(torch.stack(rows))
+        return torch.stack(out)  # [B, T, V]
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,31 +171,38 @@ def tiny_tables(draft_noise: float = 0.5, draft_sharpen: float = 2.0):
     return TableModel(target, depth=3), TableModel(draft, depth=2)
 
 
-def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed: int = 0, draft=(0.5, 2.0)):
-    """The two tokens after PREFIX + [FIRST] from the real speculative loop (depth 2), DRAWS times, and the
-    summed accept_counts of its verify steps. ngram > 0 merges an n-gram lookup's branches into the tree
-    (it looks only at the prompt and the output so far: each draw starts a fresh lookup)."""
+def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed: int = 0, draft=(0.5, 2.0),
+                      prompts=(PREFIX,), batch: int = ROWS):
+    """The two tokens after prompt + [FIRST] from the real speculative loop (depth 2), DRAWS times for each
+    prompt, and the summed accept_counts of its verify steps. The draws run `batch` rows at a time (rows
+    take the prompts in turn: rows at different positions); each row is one independent draw.
+    ngram > 0 merges an n-gram lookup's branches into the tree (it looks only at the prompt and the output
+    so far: each batch starts a fresh lookup, and a row never sees another's output)."""
     target, draft_model = tiny_tables(*draft)
     speculator = speculate.DraftModelSpeculator(draft_model, 2, tree_nodes, ngram=ngram)
-    prompt, first = torch.tensor(PREFIX), torch.tensor([FIRST])
-    target.setup_caches(1, len(PREFIX) + 3 + speculator.lookahead + 1)
-    target(prompt.view(1, -1), torch.arange(len(PREFIX)).view(1, -1))  # the prefill
+    rows = [list(prompts[b % len(prompts)]) for b in range(batch)]
+    width = max(len(p) for p in rows)
+    target.setup_caches(batch, width + 3 + speculator.lookahead + 1)
+    x = torch.tensor([p + [0] * (width - len(p)) for p in rows])  # [B, T] right-padded, as generate.py prefills
+    target(x, torch.arange(width).expand_as(x))  # the prefill
     engine = Engine(target)
     torch.manual_seed(seed)
-    draws, accept_counts = [], [0, 0, 0]
-    for _ in range(DRAWS):
+    draws, accept_counts = [[] for _ in prompts], [0, 0, 0]
+    first = torch.full((batch,), FIRST)
+    for _ in range(DRAWS * len(prompts) // batch):
         if ngram:
             speculator.lookup = speculate.Lookup(ngram)
-        ids, stats = speculator.generate(engine, prompt, first, 3, sampling, eos_ids=[], stop_at_eos=False)
-        draws.append(ids[0][1:])
+        outs, stats = speculator.generate(engine, rows, first, 3, sampling, eos_ids=[], stop_at_eos=False)
+        for b, out in enumerate(outs):
+            draws[b % len(prompts)].append(out[1:3])
         accept_counts = [a + b for a, b in zip(accept_counts, stats["accept_counts"])]
-    return torch.tensor(draws), accept_counts
+    return [torch.tensor(d) for d in draws], accept_counts
 
 
-def exact_target(sampling: Sampling):
-    """The target's p(x1) and p(x1, x2) = p(x1) p(x2 | x1) after PREFIX + [FIRST], by enumeration."""
+def exact_target(sampling: Sampling, prompt=PREFIX):
+    """The target's p(x1) and p(x1, x2) = p(x1) p(x2 | x1) after prompt + [FIRST], by enumeration."""
     target, _ = tiny_tables()
-    context = tuple(PREFIX + [FIRST])
+    context = tuple(prompt + [FIRST])
     p1 = logits_to_probs(target.logits(context), sampling).double()
     p2 = torch.stack([logits_to_probs(target.logits(context + (a,)), sampling) for a in range(VOCAB)]).double()
     return p1, p1[:, None] * p2
@@ -212,16 +222,21 @@ def chi_square_pvalue(counts, probs) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2, dtype=torch.double), chi2 / 2))
 
 
-def lossless_pvalues(tree_nodes: int, sampling: Sampling, ngram: int = 0, draft=(0.5, 2.0)):
-    """p-values of the first token, the second and the pair against the target's exact distribution.
-    draft: (noise, sharpening) of the draft's weights (tiny_tables)."""
-    draws, accept_counts = speculative_draws(tree_nodes, sampling, ngram, draft=draft)
-    p1, joint = exact_target(sampling)
-    first, second = draws[:, 0], draws[:, 1]
-    pvalues = {"first token": chi_square_pvalue(torch.bincount(first, minlength=VOCAB), p1),
-               "second token": chi_square_pvalue(torch.bincount(second, minlength=VOCAB), joint.sum(0)),
-               "pair": chi_square_pvalue(torch.bincount(first * VOCAB + second, minlength=VOCAB ** 2),
-                                         joint.flatten())}
+def lossless_pvalues(tree_nodes: int, sampling: Sampling, ngram: int = 0, draft=(0.5, 2.0), prompts=(PREFIX,),
+                     batch: int = ROWS):
+    """p-values of the first token, the second and the pair against the target's exact distribution, for each
+    prompt. draft: (noise, sharpening) of the draft's weights (tiny_tables)."""
+    draws, accept_counts = speculative_draws(tree_nodes, sampling, ngram, draft=draft, prompts=prompts, batch=batch)
+    pvalues = {}
+    for i, (prompt, got) in enumerate(zip(prompts, draws)):
+        p1, joint = exact_target(sampling, prompt)
+        first, second = got[:, 0], got[:, 1]
+        name = f"prompt {i}: " if len(prompts) > 1 else ""
+        pvalues.update({
+            name + "first token": chi_square_pvalue(torch.bincount(first, minlength=VOCAB), p1),
+            name + "second token": chi_square_pvalue(torch.bincount(second, minlength=VOCAB), joint.sum(0)),
+            name + "pair": chi_square_pvalue(torch.bincount(first * VOCAB + second, minlength=VOCAB ** 2),
+                                             joint.flatten())})
     return pvalues, accept_counts
 
 

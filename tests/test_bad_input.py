@@ -319,7 +319,6 @@ CASES = [
     here(gen("draft_missing", "--draft_checkpoint_path", "{w}/no_draft/model.pth", expect=["{w}/no_draft/model.pth"])),
     gen("draft_other_tokenizer", "--draft_checkpoint_path", "{draft}/model.pth",
         expect=["{draft}", "tokenizer"], needs=("ckpt", "draft"), setup=other_tokenizer_draft),
-    here(gen("speculative_batch", "--draft_ngram", "3", "--batch_size", "2", expect=["--batch_size"])),
     # --- generate.py: output files
     gen("stats_json_is_the_checkpoint", "--stats_json", "{ckpt}/model.pth",
         expect=["--stats_json", "{ckpt}/model.pth"]),

@@ -153,7 +153,8 @@ def test_clear_errors(random_target, random_draft, tmp_path, tokenizer_model):
 #
 # Speculative sampling must leave the output distributed exactly as the target's (Leviathan et al. 2023,
 # Chen et al. 2023). The test: a fixed prefix, the real speculative loop (TreeSpeculator.generate with a
-# DraftModelSpeculator, depth 2) run 20,000 times for the next two tokens, and Pearson's chi-square test of
+# DraftModelSpeculator, depth 2) run 20,000 times for the next two tokens (250 rows of a batch at a time, each
+# row an independent draw), and Pearson's chi-square test of
 # the first token, the second token and the pair against the target's distribution computed by
 # enumeration. The same test run with a deliberately wrong rejection rule must reject it.
 
@@ -165,15 +166,15 @@ def residual_ignores_draft(p, q, x):
     return p / p.sum()
 
 
-def ratio_with_unfiltered_q(self, logits, sampling, exclude=()):
+def ratio_with_unfiltered_q(self, logits, sampling, exclude=None):
     """Broken: the draft samples from its top-k / top-p distribution, but verify() is handed the
     distribution before top-k / top-p."""
     unfiltered = logits_to_probs(logits, Sampling(sampling.temperature))
     return [[(token, unfiltered[r], score, cell) for token, _, score, cell in row]
-            for r, row in enumerate(real_sampled_children(self, logits, sampling))]
+            for r, row in enumerate(real_sampled_children(self, logits, sampling, exclude))]
 
 
-def greedy_draft_with_soft_q(self, logits, sampling, exclude=()):
+def greedy_draft_with_soft_q(self, logits, sampling, exclude=None):
     """Broken: the draft proposes its argmax, but verify() is told it was sampled from q."""
     q = logits_to_probs(logits, sampling)
     return [[(int(row.argmax()), row, 0.0, None)] for row in q]

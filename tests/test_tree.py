@@ -119,28 +119,28 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     speculator = speculate.DraftModelSpeculator(draft, 3, 9)
     assert speculator.width == 3
     prompt = [1, 17, 33, 250, 7, 90]
-    speculator.start(torch.tensor(prompt), 64)
+    speculator.start([prompt], 64)
     calls = []  # (token ids, logits) of every draft forward
 
-    def recorded(model, x, input_pos, slots, mask, width):
+    def recorded(model, x, input_pos, slots, mask, width, last):
         calls.append((x, model(x, input_pos, slots, mask)))
-        return speculate.greedy_candidates(calls[-1][1][0], width)
+        return speculate.greedy_candidates(calls[-1][1][:, -1] if last else calls[-1][1].flatten(0, 1), width)
 
     speculator.candidates = recorded
     pos, root = len(prompt), 42
-    tree, _ = speculator.draft(root, pos, 3, prompt + [root], Sampling())
+    (tree,), _ = speculator.draft([root], [pos], 3, [prompt + [root]], Sampling())
     # a depth-2 node the draft read (it expanded it), or a depth-3 node it drafted but never read
     ends = [i for i, d in enumerate(tree.depths) if d == 2 and tree.draft_slots[i] is not None] if last_node_fed \
         else [i for i, d in enumerate(tree.depths) if d == 3]
     path = branch(tree.parents, ends[-1])[1:]
     assert tree.draft_slots[path[1]] != pos + 2  # its keys/values are not where they belong
-    speculator.accepted(path, tree, pos)
-    assert speculator.pending == ([] if last_node_fed else [tree.tokens[path[-1]]])
+    speculator.accepted([path], [tree], [pos])
+    assert speculator.pending[0] == ([] if last_node_fed else [tree.tokens[path[-1]]])
 
     sequence = prompt + [root] + [tree.tokens[i] for i in path]
     pos, root = pos + 1 + len(path), 99
     calls.clear()
-    speculator.draft(root, pos, 3, sequence + [root], Sampling())
+    speculator.draft([root], [pos], 3, [sequence + [root]], Sampling())
     want = full_forward(fresh, sequence + [root])
     (fed, got), (frontier, frontier_logits) = calls[:2]
     torch.testing.assert_close(got[0], want[-len(fed[0]):], rtol=1e-5, atol=1e-5)  # pending token + root
@@ -157,25 +157,25 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
     fresh.setup_caches(1, 64)
     speculator = speculate.DraftModelSpeculator(draft, 3, 16, ngram=2)
     prompt = [1, 17, 33, 250, 42, 5, 6, 7, 90, 11]
-    speculator.start(torch.tensor(prompt), 64)
+    speculator.start([prompt], 64)
     pos, root = len(prompt), 42  # the lookup proposes 5, 6, 7: what followed 42 before
-    tree, _ = speculator.draft(root, pos, 3, prompt + [root], Sampling())
+    (tree,), _ = speculator.draft([root], [pos], 3, [prompt + [root]], Sampling())
     path, node = [], 0
     for token in (5, 6, 7):
         node = next(c for c in tree.children()[node] if tree.tokens[c] == token)
         path.append(node)
     assert all(tree.draft_slots[n] is None for n in path)  # only the lookup proposed them
-    speculator.accepted(path, tree, pos)
-    assert speculator.pending == [5, 6, 7]
+    speculator.accepted([path], [tree], [pos])
+    assert speculator.pending[0] == [5, 6, 7]
     reads = []
 
-    def recorded(model, x, input_pos, slots, mask, width):
+    def recorded(model, x, input_pos, slots, mask, width, last):
         reads.append((x, model(x, input_pos, slots, mask)))
-        return speculate.greedy_candidates(reads[-1][1][0], width)
+        return speculate.greedy_candidates(reads[-1][1][:, -1] if last else reads[-1][1].flatten(0, 1), width)
 
     speculator.candidates = recorded
     sequence, root = prompt + [42, 5, 6, 7], 99
-    _, forwards = speculator.draft(root, len(sequence), 3, sequence + [root], Sampling())
+    _, forwards = speculator.draft([root], [len(sequence)], 3, [sequence + [root]], Sampling())
     assert forwards == 1 + 3  # the looked-up tokens, then root and two depths
     fed, logits = reads[0]
     assert fed.tolist() == [[7, root]]
@@ -280,13 +280,13 @@ real_sampled_children = speculate.DraftModelSpeculator.sampled_children
 real_without = speculate.without
 
 
-def drawn_with_replacement(self, logits, sampling, exclude=()):
+def drawn_with_replacement(self, logits, sampling, exclude=None):
     """Broken: siblings drawn independently (with replacement), verified as if drawn without."""
     return [[(int(speculate.sample_from(q)), q, score, cell) for _, q, score, cell in row]
             for row in real_sampled_children(self, logits, sampling, exclude)]
 
 
-def kept_by_their_own_values(self, logits, sampling, exclude=()):
+def kept_by_their_own_values(self, logits, sampling, exclude=None):
     """Broken: children scored by their own draft probability, so the tree_nodes cut looks at the draws."""
     return [[(token, q, float(q[token].log()), cell) for token, q, _, cell in row]
             for row in real_sampled_children(self, logits, sampling, exclude)]
@@ -299,11 +299,12 @@ def not_renormalized(q, tokens):
     return q.index_fill(0, torch.tensor(tokens), 0)
 
 
-def lookups_not_excluded(self, logits, sampling, exclude=()):
+def lookups_not_excluded(self, logits, sampling, exclude=None):
     """Broken: the root's children are drawn from q, but verified as if drawn with the looked-up tokens excluded."""
     rows = real_sampled_children(self, logits, sampling)
-    excluded = real_without(speculate.logits_to_probs(logits[-1], sampling), list(exclude))
-    rows[-1] = [(token, excluded, score, cell) for token, _, score, cell in rows[-1]]
+    for r, tokens in enumerate(exclude or []):
+        excluded = real_without(speculate.logits_to_probs(logits[r], sampling), list(tokens))
+        rows[r] = [(token, excluded, score, cell) for token, _, score, cell in rows[r]]
     return rows
 
 
