@@ -282,15 +282,19 @@ def main(argv=None) -> dict:
     if tokenizer.vocab_size > model.args.vocab_size:
         raise UserError(f"the tokenizer beside {args.checkpoint_path} has {tokenizer.vocab_size} tokens, more than the "
                         f"model's {model.args.vocab_size}: use the tokenizer the checkpoint came with")
-    draft_model = None
+    draft_model, drafter = None, None
     if args.draft_checkpoint_path is not None:  # the draft is small: replicated on every rank (see tp.py)
         draft_model = load_model(args.draft_checkpoint_path, device, precision)
-        if not speculate.same_vocabulary(tokenizer, get_tokenizer(args.draft_checkpoint_path.parent),
-                                         model.args.vocab_size, draft_model.args.vocab_size):
-            raise UserError(f"the draft's tokenizer ({args.draft_checkpoint_path.parent}) differs from the target's "
-                            f"({args.checkpoint_path.parent}): pick a draft from the same model family")
+        draft_tokenizer = get_tokenizer(args.draft_checkpoint_path.parent)
+        if not speculate.same_vocabulary(tokenizer, draft_tokenizer, model.args.vocab_size,
+                                         draft_model.args.vocab_size):
+            import crossdraft  # another tokenizer: drafts travel as text, re-tokenized on each side
+            drafter = crossdraft.make_drafter(draft_model, draft_tokenizer, tokenizer, model.args.vocab_size, depth,
+                                              args.tree_nodes, args.draft_ngram, args.batch_size,
+                                              args.prompts_file is not None)
     load_seconds = time.perf_counter() - t0
-    drafter = speculate.make_drafter(draft_model, depth, args.tree_nodes, args.draft_ngram, model.args.block_size)
+    if drafter is None:
+        drafter = speculate.make_drafter(draft_model, depth, args.tree_nodes, args.draft_ngram, model.args.block_size)
     eos_ids = sorted(set(model.args.eos_token_ids) | set(tokenizer.eos_ids))
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     prompt_ids = encode_prompt(args.prompt, tokenizer, model.args.vocab_size, args.seed, chat=args.chat)
@@ -382,9 +386,10 @@ def read_prompts_file(path: Path) -> list:
 
 def run_prompts_file(run, batches: list, texts: list, tokenizer, model, say):
     """--prompts_file: the prompts, --batch_size rows at a time. Returns (timed samples, stats, rows)."""
-    samples, stats, rows = [], {}, []
+    samples, stats, rows = [], [], []
     for batch in batches:
-        new, stats, seconds = run(batch)
+        new, batch_stats, seconds = run(batch)
+        stats.append(batch_stats)
         n = sum(len(r) for r in new)
         samples.append({"rows": len(batch), "seconds": seconds, "tokens_per_sec": n / seconds})
         for ids, tokens in zip(batch, new):
@@ -392,7 +397,10 @@ def run_prompts_file(run, batches: list, texts: list, tokenizer, model, say):
             rows.append({"prompt": text, "prompt_tokens": ids, "tokens": tokens, "text": tokenizer.decode(tokens)})
             say(text + rows[-1]["text"] + "\n")
         say(f"Batch {len(samples)}: " + report(samples[-1], model, len(batch)))
-    return samples, stats, rows
+    if "accept_counts" in stats[0]:  # speculative: acceptance over every batch
+        say(speculate.format_stats(speculate.combine_stats(stats)))
+        return samples, speculate.combine_stats(stats), rows
+    return samples, {"target_forwards": sum(s["target_forwards"] for s in stats)}, rows
 
 
 def check_fits(prompt_tokens: int, max_new_tokens: int, block_size: int):

@@ -199,9 +199,20 @@ class Stats:
             "tokens_per_target_forward": (accepted + steps) / steps,
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
-            "speculate_k": self.depth, "tree_nodes": self.tree_nodes,
+            "speculate_k": self.depth, "tree_nodes": self.tree_nodes, "drafted": self.drafted,
             **({"plain_after_forwards": self.plain_after} if self.plain_after is not None else {}),
         }
+
+
+def combine_stats(summaries: list) -> dict:
+    """One Stats.summary() for several generations (the batches of a prompts file)."""
+    total = Stats(summaries[0]["speculate_k"], summaries[0]["tree_nodes"], target_forwards=0)
+    for summary in summaries:
+        total.accept_counts = [a + b for a, b in zip(total.accept_counts, summary["accept_counts"])]
+        total.target_forwards += summary["target_forwards"]
+        total.draft_forwards += summary["draft_forwards"]
+        total.drafted += summary["drafted"]
+    return total.summary()
 
 
 def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, active: Optional[list] = None) -> list:
@@ -424,22 +435,27 @@ class AcceptanceTable:
         self.accepted = [0.0] * len(self.reached)
         self.unit = 1.0  # what one observation counts now (counts are in units of the latest step's)
 
-    def rank(self, tokens: list, log_q: list, log_prior: list, keep_all: bool = False) -> list:
-        """Score each row's candidates (lists [rows][width], most probable first): [[(token, log-estimate,
-        cell)]]; candidates of prior 0 are left out unless keep_all."""
-        rows = []
-        for row_tokens, row_log_q, row_log_prior in zip(tokens, log_q, log_prior):
-            row = []
-            for rank, (token, lq, lp) in enumerate(zip(row_tokens, row_log_q, row_log_prior)):
-                prior = math.exp(lp)
-                if prior == 0 and not keep_all:
-                    continue
-                cell = (rank * (len(self.LOG_Q_EDGES) + 1) + bisect.bisect(self.LOG_Q_EDGES, lq)) \
-                    * (len(self.PRIOR_EDGES) + 1) + bisect.bisect(self.PRIOR_EDGES, prior)
-                estimate = self.estimate(cell, prior)
-                row.append((token, math.log(min(max(estimate, 1e-12), 1.0)), cell))
-            rows.append(row)
-        return rows
+    def rank(self, tokens: Tensor, log_q: Tensor, log_prior: Tensor, keep: Optional[Tensor] = None,
+             falling: bool = False) -> list:
+        """Score each row's candidates (tensors [rows, width], most probable first): [[(token, log-estimate,
+        cell)]], for the candidates in `keep` (default: those of prior > 0). falling: a candidate never scores
+        above the one before it (the running minimum along the row)."""
+        width = tokens.shape[-1]
+        log_q, log_prior = log_q.double().cpu(), log_prior.double().cpu()
+        prior = log_prior.exp()
+        rank = torch.arange(width).expand_as(prior)
+        q_bucket = torch.bucketize(log_q, torch.tensor(self.LOG_Q_EDGES, dtype=torch.double), right=True)
+        prior_bucket = torch.bucketize(prior, torch.tensor(self.PRIOR_EDGES, dtype=torch.double), right=True)
+        cells = (rank * (len(self.LOG_Q_EDGES) + 1) + q_bucket) * (len(self.PRIOR_EDGES) + 1) + prior_bucket
+        weight = self.PRIOR_WEIGHT * self.unit
+        accepted = torch.tensor(self.accepted, dtype=torch.double)[cells]
+        reached = torch.tensor(self.reached, dtype=torch.double)[cells]
+        scores = ((accepted + weight * prior) / (reached + weight)).clamp(1e-12, 1.0).log()
+        if falling:
+            scores = scores.cummin(-1).values
+        keep = (prior > 0) if keep is None else keep.cpu()
+        return [[(t, s, c) for t, s, c, k in zip(*row) if k]
+                for row in zip(tokens.tolist(), scores.tolist(), cells.tolist(), keep.tolist())]
 
     def lookup(self, share: float):
         """(log-estimate, cell) of a child that continues `share` of the n-gram lookup's occurrences."""
@@ -592,7 +608,7 @@ class DraftModelSpeculator(TreeSpeculator):
                 tokens, log_q, log_prior = self.candidates(self.draft_model, x, input_pos, slots, mask, self.width, last)
                 if self.width == 1:  # chain: the argmax, a point-mass proposal
                     return [[(token, None, 0.0, None)] for token in tokens[:, 0].tolist()]
-                rows = self.table.rank(tokens.tolist(), log_q.tolist(), log_prior.tolist())
+                rows = self.table.rank(tokens, log_q, log_prior)
                 return [[(token, None, score, cell) for token, score, cell in row] for row in rows]
             logits = self.logits(self.draft_model, x, input_pos, slots, mask, last)
         return self.sampled_children(logits, sampling, exclude)
@@ -614,28 +630,15 @@ class DraftModelSpeculator(TreeSpeculator):
             if tokens:
                 q[r] = without(q[r], tokens)
         keys = q.log() - torch.empty_like(q).exponential_().log()  # log q + Gumbel noise
-        drawn = torch.topk(keys, self.width, dim=-1).indices.tolist()
-        top = torch.topk(q, self.width, dim=-1).values.double().tolist()  # sorted probabilities: known before drawing
-        drawn = [[token for token, p in zip(tokens, probs) if p > 0] for tokens, probs in zip(drawn, top)]
+        drawn = torch.topk(keys, self.width, dim=-1).indices  # [rows, width], in the order drawn
+        top = torch.topk(q, self.width, dim=-1).values.double()  # [rows, width] sorted probabilities: known before drawing
         if self.width == 1:
-            return [[(token, q[r], 0.0, None) for token in tokens] for r, tokens in enumerate(drawn)]
-        log_q, log_prior = [], []
-        for tokens, probs in zip(drawn, top):  # prior of the i-th draw: chance it is the i-th most likely token
-            left, log_q_row, log_prior_row = 1.0, [], []
-            for p in probs[:len(tokens)]:
-                log_q_row.append(math.log(p))
-                log_prior_row.append(math.log(min(1.0, p / max(left, 1e-30))))
-                left -= p
-            log_q.append(log_q_row)
-            log_prior.append(log_prior_row)
-        rows = []
-        for r, ranked in enumerate(self.table.rank(drawn, log_q, log_prior, keep_all=True)):
-            children, floor = [], 0.0
-            for token, score, cell in ranked:
-                floor = min(floor, score)  # scores never rise along the draw order
-                children.append((token, q[r], floor, cell))
-            rows.append(children)
-        return rows
+            return [[(token, q[r], 0.0, None)] for r, token in enumerate(drawn[:, 0].tolist())]
+        # prior of the i-th draw: the chance it is the i-th most likely token, p_i / (mass not ranked above it)
+        left = 1.0 - (top.cumsum(-1) - top)
+        log_prior = (top / left.clamp_min(1e-30)).clamp_max(1.0).log()
+        ranked = self.table.rank(drawn, top.log(), log_prior, keep=top > 0, falling=True)
+        return [[(token, q[r], score, cell) for token, score, cell in row] for r, row in enumerate(ranked)]
 
     def merge(self, tree: Tree, scores: list, trie: dict, sampling: Sampling):
         """Merge the n-gram lookup's trie into the draft's tree (SpecInfer, Miao et al. 2023, merges the

@@ -30,7 +30,7 @@ helpers; without one, Llama 3's header format is used when the vocabulary has <|
 """
 import json
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from model import UserError
@@ -57,6 +57,13 @@ LLAMA2_CHAT = (
     "{% else %}{% set content = message['content'] %}{% endif %}"
     "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+
+
+# byte-level BPE (GPT-2, Llama 3, SmolLM2) writes byte b as the character BYTE_LEVEL_CHARS[b]: printable bytes as
+# themselves, the others shifted past U+0100 (so a space is "Ġ", a newline "Ċ")
+BYTE_LEVEL_CHARS = [chr(b) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255 else None for b in range(256)]
+BYTE_LEVEL_CHARS = [c or chr(256 + sum(1 for x in BYTE_LEVEL_CHARS[:b] if x is None)) for b, c in
+                    enumerate(BYTE_LEVEL_CHARS)]
 
 
 class Tokenizer:
@@ -98,6 +105,63 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self.processor.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self) -> list:
+        """Each id's exact bytes in decoded text where it follows other tokens: sentencepiece's "▁hi" is b" hi" and
+        "<0xE6>" b"\\xe6", byte-level BPE's "Ġhi" b" hi" (a piece may hold part of a UTF-8 character), an added
+        token that is not special its text; None for special tokens. A draft of another tokenizer is mapped onto
+        the target by these (crossdraft.py)."""
+        spec = json.loads(self.processor.to_str())
+        decoder = json.dumps(spec.get("decoder"), ensure_ascii=False)
+        byte_level, metaspace = '"ByteLevel"' in decoder, "▁" in decoder or '"Metaspace"' in decoder
+        byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+        unicode_to_byte = {c: b for b, c in enumerate(BYTE_LEVEL_CHARS)}
+        added = self.processor.get_added_tokens_decoder()
+        out = [None] * self.vocab_size
+        for i, token in added.items():  # an added token that is not special is its text (sentencepiece's "\n")
+            if not token.special and i < len(out) and token.content:
+                out[i] = token.content.encode("utf-8")
+        for piece, i in self.processor.get_vocab(with_added_tokens=False).items():
+            if i in added or i >= len(out) or not piece:
+                continue
+            if byte_level:
+                if all(c in unicode_to_byte for c in piece):
+                    out[i] = bytes(unicode_to_byte[c] for c in piece)
+            elif byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out[i] = bytes.fromhex(piece[3:5])
+            else:
+                out[i] = (piece.replace("▁", " ") if metaspace else piece).encode("utf-8")
+        return out
+
+    def encode_continuation(self, text: str) -> list:
+        """Ids of `text` where it continues a stream: no prefix space prepended (sentencepiece's dummy "▁", a
+        byte-level add_prefix_space) and special-token text read as plain text, so that the ids' token_bytes()
+        join to exactly text's UTF-8 bytes."""
+        return self.continuation_processor.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def continuation_processor(self):
+        from tokenizers import Tokenizer as Backend
+
+        def mid_stream(node):
+            """The normalizer or pre-tokenizer `node` without what it adds at the start of the input."""
+            if not isinstance(node, dict) or node.get("type") == "Prepend":
+                return None
+            if node.get("type") == "Metaspace":
+                node["prepend_scheme"] = "never"
+            if node.get("type") == "ByteLevel" and "add_prefix_space" in node:
+                node["add_prefix_space"] = False
+            for key in ("normalizers", "pretokenizers"):
+                if isinstance(node.get(key), list):
+                    node[key] = [n for n in map(mid_stream, node[key]) if n is not None]
+            return node
+
+        spec = json.loads(self.processor.to_str())
+        spec["normalizer"] = mid_stream(spec.get("normalizer"))
+        spec["pre_tokenizer"] = mid_stream(spec.get("pre_tokenizer"))
+        processor = Backend.from_str(json.dumps(spec))
+        processor.encode_special_tokens = True
+        return processor
 
     def render_chat(self, messages: list, add_generation_prompt: bool = True) -> str:
         """`messages` ([{"role": ..., "content": ...}]) as the chat template writes them; a template that fails,
@@ -245,8 +309,9 @@ def read_sentencepiece(path: Path):
     Types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte."""
     try:
         data = path.read_bytes()
-        pieces, ids, add_dummy_prefix = [], {"unk": 0, "bos": 1, "eos": 2}, True
+        pieces, ids, add_dummy_prefix, specs = [], {"unk": 0, "bos": 1, "eos": 2}, True, set()
         for field, value in proto_fields(data):
+            specs.add(field)
             if field == 1:  # SentencePiece {piece = 1, score = 2, type = 3}
                 piece = dict(proto_fields(value))
                 pieces.append((piece.get(1, b"").decode("utf-8"), piece.get(3, 1)))
@@ -258,6 +323,8 @@ def read_sentencepiece(path: Path):
                 add_dummy_prefix = dict(proto_fields(value)).get(3, 1) != 0
         if not pieces or any(not piece for piece, _ in pieces):
             raise ValueError("no vocabulary in it")
+        if not {2, 3} <= specs:  # sentencepiece writes its trainer and normalizer specs after the pieces
+            raise ValueError("truncated (no trainer or normalizer spec after the pieces)")
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise UserError(f"cannot read tokenizer: {path}: {e}: re-download it") from None
     return pieces, ids, add_dummy_prefix

@@ -1,13 +1,14 @@
-"""The layout: imports flow one way, model <- tokenizer, quantize, tp, decode <- speculate <- generate <- scripts,
-tests; nothing but scripts and tests imports generate.py."""
+"""The layout: imports flow one way, model <- tokenizer, quantize, tp, decode <- speculate <- crossdraft <- generate
+<- scripts, tests; nothing but scripts and tests imports generate.py."""
 import ast
 import subprocess
 import sys
 
 from helpers import ROOT
 
-LIBRARY = ["model", "tokenizer", "quantize", "tp", "decode", "speculate"]
-ORDER = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "generate"]  # each imports only earlier ones
+LIBRARY = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "crossdraft"]
+# each imports only earlier ones
+ORDER = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "crossdraft", "generate"]
 
 
 def top_level_imports(path) -> set:

@@ -240,7 +240,7 @@ def test_acceptance_table_learns_which_children_the_verifier_accepts():
     logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
 
     def children():
-        return table.rank(*(t.tolist() for t in speculate.greedy_candidates(logits, 2)))
+        return table.rank(*speculate.greedy_candidates(logits, 2))
 
     [(first, second)] = children()
     assert (first[0], second[0]) == (0, 1) and first[1] > second[1]  # before any evidence: the draft's order

@@ -1,0 +1,126 @@
+"""A batch of different prompts: our plain batched decode, speculative decoding (chain, tree, auto) at the same
+batch, and transformers' batched generate(), at B = 1, 2, 4, 8, on the tiny pair from scripts/train_tiny.py.
+
+    python scripts/bench_batched.py                          # greedy, compiled, fp32
+    python scripts/bench_batched.py --batch_sizes 1,4 --temperature 0.7 --json bench_results/batched_t07.json
+
+Prompts: the opening lines of held-out standard-library files (different lengths). Each row generates exactly
+--new_tokens (EOS ignored); tokens/s is the batch's total (B x new_tokens) over the wall time of one
+generate() call, prefill included, best of --repeats. Our configurations take turns run by run (a machine
+slowing down hurts them alike); greedy rows are checked token for token against plain decoding.
+transformers: LlamaForCausalLM with the same weights, left-padded batch with an attention mask, greedy.
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+import benchlib  # noqa: E402
+from benchlib import ROOT  # noqa: E402
+from bench_speculative import load_prompts  # noqa: E402
+import decode  # noqa: E402
+import generate  # noqa: E402
+import speculate  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
+
+
+def time_batches(engine, drafters: dict, prompts: list, new_tokens: int, sampling, repeats: int) -> dict:
+    """name -> (total tokens/s, rows of the last run, stats of the last run), configurations taking turns."""
+    best, last = {name: float("inf") for name in drafters}, {}
+    for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
+        for name, drafter in drafters.items():
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            rows, stats = generate.generate(engine, [list(p) for p in prompts], new_tokens, sampling, eos_ids=[],
+                                            stop_at_eos=False, drafter=drafter)
+            if turn:
+                best[name] = min(best[name], time.perf_counter() - start)
+            last[name] = (rows, stats)
+    return {name: (sum(map(len, last[name][0])) / best[name], *last[name]) for name in drafters}
+
+
+def time_transformers_batch(model, prompts: list, new_tokens: int, repeats: int) -> float:
+    """Total tokens/s of transformers' greedy generate() on the left-padded batch."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])  # [B, T], left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, T]
+
+    def run():
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)
+
+    return len(prompts) * new_tokens / benchlib.best_seconds(run, repeats)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", type=Path, default=ROOT / "checkpoints/tiny", help="train_tiny.py's OUT directory")
+    p.add_argument("--batch_sizes", default="1,2,4,8")
+    p.add_argument("--prompt_tokens", type=int, default=96)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=5, help="draft depth for chain and tree")
+    p.add_argument("--tree_nodes", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--no_transformers", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
+    p.add_argument("--json", type=Path, default=ROOT / "bench_results/batched.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count())
+    torch._dynamo.config.cache_size_limit = 64
+    target_pth, draft_pth = args.pair / "target/model.pth", args.pair / "draft/model.pth"
+    for path in (target_pth, draft_pth):
+        if not path.is_file():
+            sys.exit(f"error: {path} not found: train the pair with python scripts/train_tiny.py --out_dir {args.pair}")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    target, draft = generate.load_model(target_pth), generate.load_model(draft_pth)
+    tokenizer = get_tokenizer(args.pair / "target")
+    files, prompts, _ = load_prompts(args.pair, tokenizer, max(sizes), args.prompt_tokens, 64,
+                                     target.args.bos_token_id or 1)
+    prompts = [p[: len(p) - 7 * i] for i, p in enumerate(prompts)]  # different lengths, whatever the files
+    engine = decode.Engine(target) if args.no_compile else decode.compile_engine(target, "cpu", False)
+    hf_target = None if args.no_transformers else benchlib.hf_model(args.pair / "target")
+    sampling = decode.Sampling(args.temperature)
+    k, nodes = args.k, args.tree_nodes
+    configs = {f"chain K={k}": (k, None), f"tree N={nodes} K={k}": (k, nodes), "chain K=auto": ("auto", None)}
+    rows = []
+    for batch in sizes:
+        drafters = {"plain": None}
+        for name, (depth, n) in configs.items():
+            drafters[name] = speculate.make_drafter(draft, depth, n, 0, max_seq_length=4096)
+            if not args.no_compile:
+                drafters[name].compile("cpu")
+        results = time_batches(engine, drafters, prompts[:batch], args.new_tokens, sampling, args.repeats)
+        plain_tps, plain_rows, _ = results["plain"]
+        hf_tps = time_transformers_batch(hf_target, prompts[:batch], args.new_tokens, args.repeats) \
+            if hf_target is not None else None
+        for name, (tps, out, stats) in results.items():
+            row = {"batch": batch, "config": name, "tokens_per_sec": tps, "vs_plain": tps / plain_tps,
+                   "vs_transformers": tps / hf_tps if hf_tps else None,
+                   "tokens_per_target_forward": stats.get("tokens_per_target_forward"),
+                   "fell_back_to_plain": "plain_after_forwards" in stats if name == "chain K=auto" else None}
+            if args.temperature == 0:
+                row["same_as_plain"] = out == plain_rows
+            rows.append(row)
+        if hf_tps:
+            rows.append({"batch": batch, "config": "transformers generate()", "tokens_per_sec": hf_tps,
+                         "vs_plain": hf_tps / plain_tps, "vs_transformers": 1.0})
+        print(f"B={batch}: " + ", ".join(f"{r['config']} {r['tokens_per_sec']:.1f}" for r in rows
+                                         if r["batch"] == batch), flush=True)
+    columns = ["batch", "config", "tokens_per_sec", "vs_plain", "vs_transformers", "tokens_per_target_forward",
+               "fell_back_to_plain", "same_as_plain"]
+    print()
+    benchlib.print_table(rows, columns)
+    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv,
+                                    "prompt_files": [str(f) for f in files], "prompt_lengths": list(map(len, prompts)),
+                                    "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""A draft with another tokenizer (crossdraft.py) against our plain decode and transformers' assisted generation
+across tokenizers (generate(assistant_model=..., tokenizer=..., assistant_tokenizer=...)), greedy and sampled.
+
+    python scripts/bench_crossdraft.py                       # builds OUT/draft_othertok once, then measures
+    python scripts/bench_crossdraft.py --new_tokens 100 --temperatures 0,0.7 --no_compile
+
+The pair: train_tiny.py's target, and its distilled draft behind a tokenizer of its own, written once to
+OUT/draft_othertok: the draft's sentencepiece pieces with a third of the multi-character ones removed (so many
+strings split differently: "ing" becomes "i" "n" "g") and every id reshuffled, as a tokenizer.json (Metaspace
+BPE), the embedding and output rows moved with their pieces. It is a draft trained with another vocabulary,
+not a draft of another model family: its acceptance is an upper end of what a cross-tokenizer pair gets.
+Prompts: the opening lines of held-out standard-library files. Runs take turns (benchlib.time_interleaved).
+"""
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+import benchlib  # noqa: E402
+from benchlib import ROOT  # noqa: E402
+import crossdraft  # noqa: E402
+import decode  # noqa: E402
+import generate  # noqa: E402
+import tokenizer as tokenizers_  # noqa: E402
+from bench_speculative import load_prompts  # noqa: E402
+
+
+def write_other_tokenizer_draft(pair: Path, seed: int = 0) -> Path:
+    """OUT/draft_othertok/model.pth: the trained draft behind a pruned, reshuffled vocabulary (see the docstring)."""
+    out = pair / "draft_othertok"
+    if (out / "model.pth").is_file():
+        return out / "model.pth"
+    source = tokenizers_.get_tokenizer(pair / "draft")
+    spec = json.loads(source.processor.to_str())
+    vocab = spec["model"]["vocab"]
+    rng = random.Random(seed)
+    special = {token for token in source.processor.get_added_tokens_decoder()}
+    kept = [p for p, i in sorted(vocab.items(), key=lambda kv: kv[1])
+            if i in special or len(p) < 2 or p.startswith("<0x") or rng.random() > 1 / 3]
+    order = [p for p in kept if vocab[p] not in special]
+    rng.shuffle(order)
+    new_vocab = {p: i for i, p in enumerate([p for p in kept if vocab[p] in special] + order)}
+    assert all(new_vocab[p] == vocab[p] for p in kept if vocab[p] in special)  # specials keep their ids
+    spec["model"]["vocab"] = new_vocab
+    spec["model"]["merges"] = [[a, b] for a, b in tokenizers_.bpe_merges({p: vocab[p] for p in kept})]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    state = torch.load(pair / "draft/model.pth", weights_only=True)
+    rows = torch.tensor([vocab[p] for p in sorted(new_vocab, key=new_vocab.get)])
+    for name in ("tok_embeddings.weight", "output.weight"):
+        state[name] = state[name][rows].clone()
+    config = json.loads((pair / "draft/config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(config, vocab_size=len(new_vocab))))
+    torch.save(state, out / "model.pth")
+    return out / "model.pth"
+
+
+def hf_tokenizer(tok):
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(tokenizer_object=tok.processor, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", type=Path, default=ROOT / "checkpoints/tiny", help="train_tiny.py's OUT directory")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--prompt_tokens", type=int, default=96)
+    p.add_argument("--new_tokens", type=int, default=100)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--no_transformers", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
+    p.add_argument("--json", type=Path, default=ROOT / "bench_results/crossdraft.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count())
+    compile_ = not args.no_compile
+    target_pth = args.pair / "target/model.pth"
+    if not target_pth.is_file():
+        sys.exit(f"error: {target_pth} not found: train the pair with "
+                 f"python scripts/train_tiny.py --out_dir {args.pair}")
+    draft_pth = write_other_tokenizer_draft(args.pair)
+    target, draft = generate.load_model(target_pth), generate.load_model(draft_pth)
+    target_tok, draft_tok = tokenizers_.get_tokenizer(target_pth.parent), tokenizers_.get_tokenizer(draft_pth.parent)
+    text = "    def parse_args(self, args=None, namespace=None):\n"
+    print(f"the same text: target {len(target_tok.encode(text))} tokens, draft {len(draft_tok.encode(text))}; "
+          f"vocabularies {target_tok.vocab_size} and {draft_tok.vocab_size}", flush=True)
+    _, prompts, _ = load_prompts(args.pair, target_tok, args.prompts, args.prompt_tokens, 8, target_tok.bos_id)
+    engine = decode.compile_engine(target, "cpu", False) if compile_ else decode.Engine(target)
+    drafter = crossdraft.make_drafter(draft, draft_tok, target_tok, target.args.vocab_size, args.k, None, 0, 1, False)
+    if compile_:
+        drafter.compile("cpu")
+    hf = None
+    if not args.no_transformers:
+        hf = (benchlib.hf_model(target_pth.parent), benchlib.hf_model(draft_pth.parent),
+              hf_tokenizer(target_tok), hf_tokenizer(draft_tok))
+    rows = []
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        sampling = decode.Sampling(temperature, top_k=None)
+        results = benchlib.time_interleaved(engine, {"plain": None, f"cross-tokenizer chain K={args.k}": drafter},
+                                            prompts, args.new_tokens, sampling, args.repeats)
+        base_tps, base_runs = results["plain"]
+        for name, (tps, runs) in results.items():
+            row = {"temperature": temperature, "impl": "ours", "config": name, "tokens_per_sec": tps,
+                   "speedup": tps / base_tps}
+            if runs[0][1].get("accept_counts"):
+                steps = sum(sum(s["accept_counts"]) for _, s in runs)
+                accepted = sum(sum(i * c for i, c in enumerate(s["accept_counts"])) for _, s in runs)
+                row["tokens_per_target_forward"] = (accepted + steps) / steps
+                if temperature == 0:
+                    row["same_as_plain"] = all(a == b for (a, _), (b, _) in zip(runs, base_runs))
+            rows.append(row)
+            print(f"  T={temperature} {name}: {tps:.1f} tok/s, x{row['speedup']:.2f}", flush=True)
+        if hf is not None:
+            hf_target, hf_draft, hf_target_tok, hf_draft_tok = hf
+            kwargs = {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
+            for name, extra in (("transformers", {}),
+                                ("transformers assisted, other tokenizer",
+                                 {"assistant_model": hf_draft, "tokenizer": hf_target_tok,
+                                  "assistant_tokenizer": hf_draft_tok})):
+                seconds, same = 0.0, True
+                try:
+                    for prompt, (ours, _) in zip(prompts, base_runs):
+                        tps, ids = benchlib.time_transformers(hf_target, prompt, args.new_tokens, None, args.repeats,
+                                                              **kwargs, **extra)
+                        seconds += len(ids) / tps
+                        same = same and ids == ours
+                except (AttributeError, ValueError, RuntimeError) as e:  # e.g. transformers 5.x sampled assisted
+                    # generation fails when the assistant's vocabulary lies inside the target's
+                    rows.append({"temperature": temperature, "impl": "transformers", "config": name,
+                                 "error": f"{type(e).__name__}: {e}"[:200]})
+                    print(f"  T={temperature} {name}: failed: {type(e).__name__}: {e}", flush=True)
+                    continue
+                tps = args.new_tokens * len(prompts) / seconds
+                row = {"temperature": temperature, "impl": "transformers", "config": name, "tokens_per_sec": tps,
+                       "speedup": tps / base_tps}
+                if temperature == 0:
+                    row["same_as_plain"] = same
+                rows.append(row)
+                print(f"  T={temperature} {name}: {tps:.1f} tok/s, x{row['speedup']:.2f}", flush=True)
+    columns = ["temperature", "impl", "config", "tokens_per_sec", "speedup", "tokens_per_target_forward",
+               "same_as_plain"]
+    print()
+    benchlib.print_table(rows, columns)
+    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv,
+                                    "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
