@@ -162,6 +162,12 @@ def test_greedy_identical_on_every_prompt(random_target, noisy_draft, byte_level
     assert tokens(speculative(random_target, byte_level_draft, 3, "--ignore_eos", prompt=prompt)) == want
 
 
+def test_compiled_greedy_identical(random_target, noisy_draft):
+    """Compiled target and draft graphs (chains padded to one verify shape): still the target's greedy output."""
+    got = speculative(random_target, noisy_draft, 4, "--compile", "--ignore_eos")
+    assert tokens(got) == plain_greedy(random_target)[:29] and sum(got["accept_counts"][1:]) > 0
+
+
 def test_exactly_max_new_tokens(random_target, noisy_draft):
     want = plain_greedy(random_target)
     for n in (1, 2, 3, 4, 9, 10, 17):
