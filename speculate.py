@@ -20,7 +20,7 @@ from model import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
 GREEDY_RANK_TEMPERATURE = 0.3  # sharpening of the draft's distribution when ranking tree nodes for greedy decoding
-AUTO_PROBE_STEPS = 3  # --speculate_k auto: speculative steps timed against a plain step before choosing
+AUTO_PROBE_STEPS = 2  # --speculate_k auto: speculative steps timed against a plain step before choosing
 
 
 def synchronize(model):
@@ -256,6 +256,7 @@ class TreeSpeculator:
 
     def __init__(self, depth: int, tree_nodes: int, auto_depth: bool = False):
         self.depth, self.tree_nodes, self.auto_depth = depth, tree_nodes, auto_depth
+        self.auto_choice = {}  # --speculate_k auto: batch size -> "plain" or "speculate", as measured
         self.lookahead = tree_nodes + 2  # cache slots a step may write past the accepted tokens
 
     def compile(self, device: str, compile_prefill: bool = False):
@@ -279,22 +280,34 @@ class TreeSpeculator:
 
         live = [not finished(out) for out in outs]
         contexts = [p + out for p, out in zip(prompts, outs)]  # a finished row's stays as it was: it idles
-        stats.draft_forwards += self.start(prompts, target.model.max_seq_length)
+        # --speculate_k auto: the first generation at a batch size times a plain decode step, then its first
+        # speculative steps, and decodes plainly from there on if speculation produced fewer tokens per second
+        # (large batches: the verify forward is compute bound); later generations at that batch size go straight
+        # to the choice made. Which lossless procedure makes the next tokens depends only on the past: lossless.
+        choice = self.auto_choice.get(batch) if self.auto_depth else "speculate"
+        plain_seconds = None
+        if choice is None:
+            plain_seconds = self.plain_step_seconds(target, contexts, pos, sampling)
+        elif choice == "plain" and any(live):
+            stats.plain_after = stats.target_forwards
+            left = max(max_new_tokens - len(out) for out, alive in zip(outs, live) if alive)
+            stats.target_forwards += self.decode_plainly(target, contexts, pos, outs, live, finished, left,
+                                                         sampling, eos_ids, stop_at_eos, callback)
+        if any(live):
+            stats.draft_forwards += self.start(prompts, target.model.max_seq_length)
         depth = self.depth if not self.auto_depth else min(2, self.depth)
-        # --speculate_k auto: time a plain decode step, then the first speculative steps; decode plainly from
-        # there on if speculation produced fewer tokens per second (large batches: the verify forward is compute
-        # bound). Which lossless procedure makes the next tokens depends only on the past: still lossless.
-        plain_seconds = self.plain_step_seconds(target, contexts, pos, sampling) if self.auto_depth else None
         timed = {"steps": 0, "seconds": 0.0, "tokens": 0, "plain_tokens": 0}
         while any(live):
             if plain_seconds is not None and timed["steps"] == AUTO_PROBE_STEPS + 1:
-                if timed["tokens"] / timed["seconds"] < timed["plain_tokens"] / plain_seconds:
+                plain_wins = timed["tokens"] / timed["seconds"] < timed["plain_tokens"] / plain_seconds
+                self.auto_choice[batch] = "plain" if plain_wins else "speculate"
+                plain_seconds = None  # timed enough
+                if plain_wins:
                     stats.plain_after = stats.target_forwards
                     left = max(max_new_tokens - len(out) for out, alive in zip(outs, live) if alive)
                     stats.target_forwards += self.decode_plainly(target, contexts, pos, outs, live, finished, left,
                                                                  sampling, eos_ids, stop_at_eos, callback)
                     break
-                plain_seconds = None  # speculation wins here: no more timing
             started, produced, rows = time.perf_counter(), sum(map(len, outs)), sum(live)
             trees, forwards = self.draft([c[-1] for c in contexts], pos, depth, contexts, sampling)
             results = verify_step(target, [tree.pad_to(self.tree_nodes + 1) for tree in trees], pos, sampling, live)

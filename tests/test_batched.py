@@ -95,6 +95,11 @@ def test_speculate_k_auto_falls_back_to_plain_when_speculation_is_slower(random_
         if switched:  # the prefill and the timed speculative steps, then plain forwards for the rest
             assert stats["plain_after_forwards"] == 1 + speculate.AUTO_PROBE_STEPS + 1
             assert stats["target_forwards"] > stats["plain_after_forwards"] + 5
+        # the next generation at this batch size goes straight to the choice made
+        got, stats = generate.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
+                                       stop_at_eos=False, drafter=drafter)
+        assert got == want
+        assert stats.get("plain_after_forwards") == (1 if switched else None)
 
 
 def test_prompts_file_with_a_draft(random_target, near_draft, tmp_path):
