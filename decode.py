@@ -5,6 +5,7 @@
     tokens = decode_n_tokens(engine, first, pos, 100, Sampling(0.7, top_k=200), eos_ids, stop_at_eos=True)
 """
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,13 +57,14 @@ def sample(logits: Tensor, sampling: Sampling):
 
 # ----------------------------------------------------------------------------- prefill and one-token decode
 
-def prefill(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling, last: Optional[Tensor] = None):
+def prefill(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling, last: Optional[Tensor] = None,
+            block=None):
     """Run the prompts [B, T] through the model, fill the cache; return the first new token [B] and whether
     the logits it came from are all finite (a bool tensor: broken weights give NaN, which sampling cannot see).
     last: [B] index of each row's last prompt token (rows of different lengths, right-padded); default T - 1.
     Padding after a row's prompt is never seen: a query sees only slots up to its own, and decoding
-    overwrites the padding's slots in order before any query can see them."""
-    logits = model(x, input_pos)
+    overwrites the padding's slots in order before any query can see them. block: see Transformer.forward."""
+    logits = model(x, input_pos, block=block)
     logits = logits[:, -1] if last is None else logits[torch.arange(x.shape[0], device=x.device), last]  # [B, V]
     return sample(logits, sampling)[0], torch.isfinite(logits).all()
 
@@ -75,36 +77,104 @@ def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, sampling:
 
 @dataclass
 class Engine:
-    """A model with the callables that run it; compiled ones when asked."""
+    """A model with the callables that run it; compiled ones when asked. Creating one puts the model's
+    weights in the layout its device multiplies fastest (Transformer.use_fast_weight_layout), once."""
     model: Transformer
     prefill: callable = prefill
     decode_one_token: callable = decode_one_token
     forward: callable = None  # multi-token scoring with an explicit mask (speculative verification)
 
     def __post_init__(self):
+        self.model.use_fast_weight_layout()
         if self.forward is None:
             self.forward = self.model
 
 
-def compile_engine(model: Transformer, device: str, compile_prefill: bool) -> Engine:
-    """Decode: one static-shape graph (CUDA graphs on GPU). Prefill: one dynamic-shape graph.
-    On CPU, inductor's freezing folds the weights into the graph as constants (and lets it pre-pack them
-    for the matmul kernels); it applies only to graphs traced without autograd, which is why every
-    generation runs under torch.no_grad(). Graphs are specialized on the model object, so a target and a
-    draft of the same shape get graphs of their own (tests/test_decode.py checks it)."""
+def run_block(layer, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
+    """One transformer block: the region compile_engine compiles once and runs for every layer."""
+    return layer(x, rope, mask, slots)
+
+
+def sample_last(model: Transformer, h: Tensor, sampling: Sampling):
+    """The final norm, the output layer and sampling on the last position of h [B, T, dim]."""
+    return sample(model.output(model.norm(h[:, -1])), sampling)
+
+
+def compile_engine(model: Transformer, device: str, compile_prefill: bool,
+                   whole_graph: Optional[bool] = None) -> Engine:
+    """Compiled decode (one static shape, [B, 1]), verification forward (one static shape per tree size) and,
+    with compile_prefill, prefill (dynamic in the prompt length, so prompts of any length reuse it).
+
+    whole_graph=False (the default on CPU): regional compilation. One TransformerBlock is compiled and the
+    same compiled code runs every layer: the layer's weights and KV cache are inputs of the graph, not
+    constants, so 30 layers cost the compile time of one, and every model of the same shape (a target and a
+    draft) shares it. The embedding lookup and the loop over layers stay in Python; the final norm, output
+    layer and sampling of a decode step are one more small graph.
+    whole_graph=True (the default on CUDA): the whole model in one graph, replayed as one CUDA graph on GPU
+    (mode="reduce-overhead"). On CPU inductor's freezing then folds the weights into the graph as constants
+    and pre-packs them for the matmul kernels; it applies only to graphs traced without autograd, which is
+    why every generation runs under torch.no_grad(), and such graphs are specialized on the model object, so
+    a target and a draft of the same shape get graphs of their own (tests/test_decode.py checks both modes).
+    The price is compile time: a 30-layer model takes a minute or more on a small CPU."""
     import torch._inductor.config as inductor_config
+    cuda = device.startswith("cuda")
+    inductor_config.fx_graph_cache = True  # a second run of the same model reuses the compiled kernels
+    # one shape per graph: decode [B, 1], each tree size of the target and the draft, a shared block for all
+    # models of one width; past the default of 8 graphs per function a fullgraph compile would raise
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if whole_graph is None:
+        whole_graph = cuda
+    if not whole_graph:
+        return compile_regions(model, compile_prefill)
     if device == "cpu":
         inductor_config.freezing = True
-    inductor_config.coordinate_descent_tuning = device != "cpu"
+    inductor_config.coordinate_descent_tuning = cuda
     inductor_config.triton.unique_kernel_names = True
-    inductor_config.fx_graph_cache = True  # a second run of the same model reuses the compiled kernels
-    mode = "reduce-overhead" if device.startswith("cuda") else None
+    mode = "reduce-overhead" if cuda else None
     engine = Engine(model)
     engine.decode_one_token = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
     engine.forward = torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
     if compile_prefill:
         engine.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
     return engine
+
+
+def compile_regions(model: Transformer, compile_prefill: bool) -> Engine:
+    """compile_engine(whole_graph=False): one compiled block shared by all layers, a compiled sampling head."""
+    block, head = compiled_region(run_block, False), compiled_region(sample_last, False)
+
+    def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling):
+        return head(model, model.hidden_states(x, input_pos, block=block), sampling)
+
+    engine = Engine(model, decode_one_token=unfrozen(decode_step),
+                    forward=unfrozen(functools.partial(model, block=block)))
+    if compile_prefill:
+        engine.prefill = unfrozen(functools.partial(prefill, block=compiled_region(run_block, True)))
+    return engine
+
+
+@functools.cache
+def compiled_region(fn, dynamic: bool):
+    """One compiled callable per function for the whole process, so that every engine (a target and its
+    draft, a model loaded twice) looks its shapes up in the same graphs instead of compiling its own."""
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic, options={"freezing": False})
+
+
+def unfrozen(fn):
+    """fn run with inductor's freezing off, whatever a whole-graph engine set: the regions' weights must stay
+    inputs of their graphs (one graph serves every layer and model), and while freezing is on, torch.compile
+    guards every weight by identity, which would compile the block once per layer."""
+    import torch._inductor.config as inductor_config
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        frozen = inductor_config.freezing
+        inductor_config.freezing = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            inductor_config.freezing = frozen
+    return run
 
 
 EOS_CHECK_EVERY = 8  # plain decode looks at the host for EOS this often (a device->host sync each time)

@@ -152,6 +152,10 @@ def parse_args(argv=None):
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compile_prefill", action="store_true", help="with --compile: a dynamic-shape prefill graph")
+    p.add_argument("--compile_whole_graph", action="store_true",
+                   help="with --compile on CPU: the whole model as one frozen graph (minutes to compile for a deep "
+                        "model) instead of one compiled block reused by every layer (the CPU default; CUDA always "
+                        "compiles the whole graph, replayed as a CUDA graph)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="default: bf16 on CUDA, fp32 on CPU (bf16 mat-vec is slower than fp32 on many CPUs)")
@@ -184,6 +188,8 @@ def check_args(args):
         raise UserError("--prompt is not valid UTF-8 text: pass the prompt in UTF-8") from None
     if args.compile_prefill and not args.compile:
         raise UserError("--compile_prefill compiles the prefill beside the decode graph: add --compile")
+    if args.compile_whole_graph and not args.compile:
+        raise UserError("--compile_whole_graph chooses how --compile compiles: add --compile")
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise UserError(f"--device {args.device}: use cpu or cuda (cuda:N)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -307,9 +313,10 @@ def main(argv=None) -> dict:
 
     target = Engine(model)
     if args.compile:
-        target = compile_engine(model, device, args.compile_prefill)
+        whole_graph = True if args.compile_whole_graph else None  # None: compile_engine's default for the device
+        target = compile_engine(model, device, args.compile_prefill, whole_graph)
         if drafter is not None:
-            drafter.compile(device)
+            drafter.compile(device, whole_graph=whole_graph)
     say(f"Loaded {args.checkpoint_path} in {load_seconds:.2f} s"
         f"{' (quantization: ' + model.quantization['mode'] + ')' if model.quantization else ''}"
         f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")

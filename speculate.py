@@ -7,6 +7,7 @@ path's keys/values to contiguous cache slots. A chain (--tree_nodes == --specula
 with one child per node; the n-gram drafter feeds the same verifier.
 """
 import bisect
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, compile_engine, decode_n_tokens, logits_to_probs, sample_from, sdpa_context
+from decode import (Engine, Sampling, compile_engine, compiled_region, decode_n_tokens, logits_to_probs, run_block,
+                    sample_from, sdpa_context)
 from model import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -259,7 +261,7 @@ class TreeSpeculator:
         self.auto_choice = {}  # --speculate_k auto: batch size -> "plain" or "speculate", as measured
         self.lookahead = tree_nodes + 2  # cache slots a step may write past the accepted tokens
 
-    def compile(self, device: str, compile_prefill: bool = False):
+    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None):
         pass
 
     def generate(self, target: Engine, prompts: list, first: Tensor, max_new_tokens: int, sampling: Sampling,
@@ -518,20 +520,26 @@ class DraftModelSpeculator(TreeSpeculator):
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         self.engine = Engine(draft_model)
         self.candidates, self.logits = draft_candidates, draft_logits
+        self.draft_forward = draft_model  # what candidates() / logits() run: the model, or its regional forward
         self.write_cache = draft_model
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
         self.pending = []  # per row: accepted tokens not yet in the draft's cache (they come before the next root)
 
-    def compile(self, device: str, compile_prefill: bool = False):
-        """Static graphs for the per-step forwards; the draft's prefill and its catch-up on looked-up tokens
-        (once per generation, or rare) stay eager unless compile_prefill: a dynamic-shape graph of a deep
-        model costs far more to compile than it saves on one call."""
-        self.engine = compile_engine(self.draft_model, device, compile_prefill)
-        mode = "reduce-overhead" if device.startswith("cuda") else None
-        self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
-        self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
-        if compile_prefill:
-            self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
+    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None):
+        """Static graphs for the per-step forwards (decode.compile_engine: by default one compiled block serving
+        every layer on CPU, the whole model as CUDA graphs on GPU); the draft's prefill and its catch-up on
+        looked-up tokens (once per generation, or rare) stay eager unless compile_prefill."""
+        self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph)
+        if whole_graph if whole_graph is not None else device.startswith("cuda"):
+            mode = "reduce-overhead" if device.startswith("cuda") else None
+            self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
+            self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
+            if compile_prefill:
+                self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
+        else:  # regional: the engine's forward runs the compiled block for every layer
+            self.draft_forward = self.engine.forward
+            if compile_prefill:
+                self.write_cache = functools.partial(self.draft_model, block=compiled_region(run_block, True))
 
     def start(self, prompts: list, max_seq_length: int) -> int:
         device = self.draft_model.tok_embeddings.weight.device
@@ -618,12 +626,12 @@ class DraftModelSpeculator(TreeSpeculator):
         `exclude`: per query, tokens it must not draw."""
         with sdpa_context():
             if sampling.temperature == 0:
-                tokens, log_q, log_prior = self.candidates(self.draft_model, x, input_pos, slots, mask, self.width, last)
+                tokens, log_q, log_prior = self.candidates(self.draft_forward, x, input_pos, slots, mask, self.width, last)
                 if self.width == 1:  # chain: the argmax, a point-mass proposal
                     return [[(token, None, 0.0, None)] for token in tokens[:, 0].tolist()]
                 rows = self.table.rank(tokens, log_q, log_prior)
                 return [[(token, None, score, cell) for token, score, cell in row] for row in rows]
-            logits = self.logits(self.draft_model, x, input_pos, slots, mask, last)
+            logits = self.logits(self.draft_forward, x, input_pos, slots, mask, last)
         return self.sampled_children(logits, sampling, exclude)
 
     def sampled_children(self, logits: Tensor, sampling: Sampling, exclude=None) -> list:

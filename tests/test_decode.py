@@ -1,25 +1,72 @@
-"""decode.py: compiled decoding runs without autograd (so inductor freezes the weights into the graphs), and
-two models of the same shape in one process (a target and a draft) each get their own frozen graphs."""
+"""decode.py: compiled decoding equals eager decoding in both compile modes (one compiled block shared by every
+layer and every model of its shape, or the whole model in one graph with its weights frozen in), two models of
+the same shape in one process (a target and a draft) never get each other's weights, and generation runs
+without autograd (so that inductor can freeze weights into whole-model graphs)."""
+import pytest
 import torch
 
 import decode
 import generate
 from helpers import copy_checkpoint
+from model import ModelArgs, Transformer
+
+MODES = pytest.mark.parametrize("whole_graph", [False, True], ids=["regional", "whole-graph"])
 
 
 def greedy(engine, prompt, n=12):
     return generate.generate(engine, prompt, n, decode.Sampling(), [], stop_at_eos=False)[0][0]
 
 
-def test_frozen_graphs_are_not_shared_between_models_of_one_shape(random_target, tmp_path):
+@MODES
+def test_models_of_one_shape_never_share_weights_through_compiled_graphs(random_target, tmp_path, whole_graph):
     other = copy_checkpoint(random_target, tmp_path / "other", noise=1.0, seed=5)  # same shape, other weights
     first, second = generate.load_model(random_target), generate.load_model(other)
     prompt = torch.tensor([1, 17, 33, 250, 7, 90])
     eager = [greedy(decode.Engine(model), prompt) for model in (first, second)]
     assert eager[0] != eager[1]
-    engines = [decode.compile_engine(model, "cpu", compile_prefill=False) for model in (first, second)]
+    torch._dynamo.reset()
+    engines = [decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=whole_graph)
+               for model in (first, second)]
     assert [greedy(engine, prompt) for engine in engines] == eager
     assert [greedy(engine, prompt) for engine in reversed(engines)] == eager[::-1]
+
+
+def test_regional_compilation_compiles_one_block_for_all_layers():
+    """Six layers, two models: one graph for the block, one for the sampling head, none per layer or model."""
+    from torch._dynamo.utils import counters
+    args = ModelArgs(dim=64, n_layer=6, n_head=4, n_local_heads=2, vocab_size=128, block_size=64)
+    models = [Transformer(args).eval().requires_grad_(False) for _ in range(2)]
+    torch._dynamo.reset()
+    counters.clear()
+    prompt = torch.tensor([1, 2, 3, 4])
+    for model in models:
+        compiled = greedy(decode.compile_engine(model, "cpu", compile_prefill=False), prompt)
+        assert compiled == greedy(decode.Engine(model), prompt)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+@MODES
+def test_compiled_verification_forward_equals_eager(random_target, whole_graph):
+    """engine.forward with an explicit tree mask (speculative verification) gives the eager logits."""
+    model = generate.load_model(random_target)
+    engine = decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=whole_graph)
+    model.setup_caches(1, 32)
+    prefix, nodes = torch.tensor([[1, 17, 33, 250]]), torch.tensor([[7, 90, 91, 5]])
+    parents = [-1, 0, 0, 1]  # node 0 follows the prefix; nodes 1 and 2 are its children; node 3 follows node 1
+    depths = torch.tensor([[1, 2, 2, 3]])
+    mask = torch.zeros(1, 1, 4, 32, dtype=torch.bool)
+    mask[..., :4] = True
+    for i, parent in enumerate(parents):
+        node = i
+        while node >= 0:
+            mask[0, 0, i, 4 + node] = True
+            node = parents[node]
+    slots, positions = torch.arange(4, 8).view(1, -1), 3 + depths
+    with torch.no_grad():
+        model(prefix, torch.arange(4).view(1, -1))
+        want = model(nodes, positions, slots, mask)
+        got = engine.forward(nodes, positions, slots, mask)
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
 
 
 def test_generation_runs_without_autograd(random_target, monkeypatch):

@@ -200,3 +200,31 @@ def test_forward_before_setup_caches_is_a_clear_error():
 def test_tied_embeddings_share_one_tensor():
     model = tiny_model(**SHAPES["tied-llama3"])
     assert model.output.weight is model.tok_embeddings.weight
+
+
+# ----------------------------------------------------------------------------- weight layout
+
+@pytest.mark.parametrize("shape", ["gqa", "tied-llama3"])
+def test_fast_weight_layout_keeps_logits_state_dict_and_tied_weights(shape):
+    """use_fast_weight_layout changes strides only: fp32 logits equal the checkpoint layout's up to rounding,
+    state_dict keys, shapes and values are unchanged, and a tied output still shares the embedding."""
+    model, original = tiny_model(**SHAPES[shape]), tiny_model(**SHAPES[shape])
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    model.use_fast_weight_layout()
+    assert model.output.weight.stride() == (1, model.output.weight.shape[0])  # fp32 on CPU: column-major
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[name], before[name]) for name in before)
+    if model.args.tie_word_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+    ids = tokens(20, batch=2)
+    assert_close(full_forward(model, ids), full_forward(original, ids))
+    model.setup_caches(2, MAX_SEQ)
+    with torch.no_grad():  # one-token decode, the product the layout is chosen for
+        assert_close(model(ids[:, :1], torch.zeros(2, 1, dtype=torch.long)),
+                     full_forward(original, ids[:, :1]))
+
+
+def test_bf16_weights_keep_their_layout():
+    model = tiny_model(**SHAPES["gqa"]).to(torch.bfloat16)
+    model.use_fast_weight_layout()
+    assert all(p.is_contiguous() for p in model.parameters())
