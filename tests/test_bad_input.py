@@ -317,8 +317,10 @@ CASES = [
     gen("draft_ngram_1", "--draft_ngram", "1", expect=["--draft_ngram"]),
     here(gen("draft_ngram_100", "--draft_ngram", "100", expect=["--draft_ngram"])),
     here(gen("draft_missing", "--draft_checkpoint_path", "{w}/no_draft/model.pth", expect=["{w}/no_draft/model.pth"])),
-    gen("draft_other_tokenizer", "--draft_checkpoint_path", "{draft}/model.pth",
-        expect=["{draft}", "tokenizer"], needs=("ckpt", "draft"), setup=other_tokenizer_draft),
+    gen("draft_other_tokenizer_tree", "--draft_checkpoint_path", "{draft}/model.pth", "--tree_nodes", "8",
+        expect=["another tokenizer", "--tree_nodes"], needs=("ckpt", "draft"), setup=other_tokenizer_draft),
+    gen("draft_other_tokenizer_batch", "--draft_checkpoint_path", "{draft}/model.pth", "--batch_size", "2",
+        expect=["another tokenizer", "--batch_size"], needs=("ckpt", "draft"), setup=other_tokenizer_draft),
     # --- generate.py: output files
     gen("stats_json_is_the_checkpoint", "--stats_json", "{ckpt}/model.pth",
         expect=["--stats_json", "{ckpt}/model.pth"]),
