@@ -77,15 +77,13 @@ def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, sampling:
 
 @dataclass
 class Engine:
-    """A model with the callables that run it; compiled ones when asked. Creating one puts the model's
-    weights in the layout its device multiplies fastest (Transformer.use_fast_weight_layout), once."""
+    """A model with the callables that run it; compiled ones when asked."""
     model: Transformer
     prefill: callable = prefill
     decode_one_token: callable = decode_one_token
     forward: callable = None  # multi-token scoring with an explicit mask (speculative verification)
 
     def __post_init__(self):
-        self.model.use_fast_weight_layout()
         if self.forward is None:
             self.forward = self.model
 

@@ -71,6 +71,7 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
     if scheme:
         import quantize
         quantize.pack_for_device(model)  # int4 on the CPU: the kernel's weight layout, made after sharding
+    model.use_fast_weight_layout()  # e.g. fp32 on the CPU: column-major weights (model.column_major_is_faster)
     model.quantization = scheme
     model.checkpoint_path = path  # named by errors found while running it (NaN logits)
     return model.eval().requires_grad_(False)

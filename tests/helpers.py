@@ -135,7 +135,7 @@ class TableModel:
             self.rows[context] = row
         return row
 
-    def __call__(self, idx, input_pos, slots=None, mask=None):
+    def __call__(self, idx, input_pos, slots=None, mask=None, block=None):
         slots = input_pos if slots is None else slots
         batch = idx.shape[0]
         self.cache.k_cache[torch.arange(batch).unsqueeze(1), 0, slots] = torch.stack([idx, input_pos], -1)
@@ -172,8 +172,8 @@ def tiny_tables(draft_noise: float = 0.5, draft_sharpen: float = 2.0):
 
 
 def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed: int = 0, draft=(0.5, 2.0),
-                      prompts=(PREFIX,), batch: int = ROWS):
-    """The two tokens after prompt + [FIRST] from the real speculative loop (depth 2), DRAWS times for each
+                      prompts=(PREFIX,), batch: int = ROWS, draws: int = DRAWS):
+    """The two tokens after prompt + [FIRST] from the real speculative loop (depth 2), `draws` times for each
     prompt, and the summed accept_counts of its verify steps. The draws run `batch` rows at a time (rows
     take the prompts in turn: rows at different positions); each row is one independent draw.
     ngram > 0 merges an n-gram lookup's branches into the tree (it looks only at the prompt and the output
@@ -187,16 +187,16 @@ def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed:
     target(x, torch.arange(width).expand_as(x))  # the prefill
     engine = Engine(target)
     torch.manual_seed(seed)
-    draws, accept_counts = [[] for _ in prompts], [0, 0, 0]
+    drawn, accept_counts = [[] for _ in prompts], [0, 0, 0]
     first = torch.full((batch,), FIRST)
-    for _ in range(DRAWS * len(prompts) // batch):
+    for _ in range(draws * len(prompts) // batch):
         if ngram:
             speculator.lookup = speculate.Lookup(ngram)
         outs, stats = speculator.generate(engine, rows, first, 3, sampling, eos_ids=[], stop_at_eos=False)
         for b, out in enumerate(outs):
-            draws[b % len(prompts)].append(out[1:3])
+            drawn[b % len(prompts)].append(out[1:3])
         accept_counts = [a + b for a, b in zip(accept_counts, stats["accept_counts"])]
-    return [torch.tensor(d) for d in draws], accept_counts
+    return [torch.tensor(d) for d in drawn], accept_counts
 
 
 def exact_target(sampling: Sampling, prompt=PREFIX):
@@ -223,12 +223,13 @@ def chi_square_pvalue(counts, probs) -> float:
 
 
 def lossless_pvalues(tree_nodes: int, sampling: Sampling, ngram: int = 0, draft=(0.5, 2.0), prompts=(PREFIX,),
-                     batch: int = ROWS):
+                     batch: int = ROWS, draws: int = DRAWS):
     """p-values of the first token, the second and the pair against the target's exact distribution, for each
     prompt. draft: (noise, sharpening) of the draft's weights (tiny_tables)."""
-    draws, accept_counts = speculative_draws(tree_nodes, sampling, ngram, draft=draft, prompts=prompts, batch=batch)
+    drawn, accept_counts = speculative_draws(tree_nodes, sampling, ngram, draft=draft, prompts=prompts, batch=batch,
+                                             draws=draws)
     pvalues = {}
-    for i, (prompt, got) in enumerate(zip(prompts, draws)):
+    for i, (prompt, got) in enumerate(zip(prompts, drawn)):
         p1, joint = exact_target(sampling, prompt)
         first, second = got[:, 0], got[:, 1]
         name = f"prompt {i}: " if len(prompts) > 1 else ""

@@ -146,7 +146,6 @@ def test_clear_errors(random_target, random_draft, tmp_path, tokenizer_model):
     assert "--draft_ngram" in error_of(*spec, "--draft_ngram", "3")
     assert "N >= 2" in error_of("--checkpoint_path", random_target, "--draft_ngram", "1")
     assert "auto" in error_of(*spec, "--speculate_k", "auto", "--tree_nodes", "12")
-    assert "--batch_size" in error_of(*spec, "--batch_size", "2")
 
 
 # ----------------------------------------------------------------------------- sampling is lossless
