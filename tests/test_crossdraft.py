@@ -23,6 +23,7 @@ import generate
 import tokenizer
 from decode import Engine, Sampling, logits_to_probs
 from model import ModelArgs, Transformer
+from helpers import plain_greedy, speculative, tokens
 
 PROMPTS = ["def main(", "  two leading spaces and\ttabs", "café déjà 日本語 🙂 x", "total = 12345 + 678 * 90"]
 
@@ -100,26 +101,6 @@ def noisy_draft(random_target, tmp_path_factory) -> Path:
 
 def draft_path(name, request):
     return request.getfixturevalue({"byte-level": "byte_level_draft", "noisy": "noisy_draft"}[name])
-
-
-# ----------------------------------------------------------------------------- generate.py runs
-
-def run(target, *extra, prompt=PROMPTS[0], n=29):
-    return generate.main(["--checkpoint_path", str(target), "--prompt", prompt, "--max_new_tokens", str(n),
-                          "--num_samples", "1", "--temperature", "0", *map(str, extra)])
-
-
-def speculative(target, draft, k, *extra, prompt=PROMPTS[0], n=29):
-    return run(target, "--draft_checkpoint_path", draft, "--speculate_k", k, *extra, prompt=prompt, n=n)
-
-
-def tokens(stats: dict) -> list:
-    return stats["samples"][0]["tokens"]
-
-
-@functools.lru_cache(maxsize=None)
-def plain_greedy(target, prompt=PROMPTS[0], n=40) -> list:
-    return tokens(run(target, "--ignore_eos", prompt=prompt, n=n))
 
 
 # ----------------------------------------------------------------------------- tokens as bytes
