@@ -137,22 +137,21 @@ class TableModel:
 
     def __call__(self, idx, input_pos, slots=None, mask=None, block=None):
         slots = input_pos if slots is None else slots
-        batch = idx.shape[0]
+        batch, width = idx.shape
         self.cache.k_cache[torch.arange(batch).unsqueeze(1), 0, slots] = torch.stack([idx, input_pos], -1)
-        written = self.cache.k_cache[:batch, 0].tolist()  # [B][slot] = [token, position]
+        written = self.cache.k_cache[:batch, 0]  # [B, S, 2]: (token, position) per slot
         if mask is None:  # the model's default: causal over slots
-            seen = [[range(slot + 1) for slot in row] for row in slots.tolist()]
-        else:
-            seen = [[[j for j, visible in enumerate(query) if visible] for query in row[0]] for row in mask.tolist()]
-        out = []
-        for row_written, row_seen in zip(written, seen):
-            rows = []
-            for visible in row_seen:
-                context, positions = zip(*(row_written[j] for j in visible))
-                assert positions == tuple(range(len(positions))), f"a query sees the positions {positions}"
-                rows.append(self.logits(context))
-            out.append(torch.stack(rows))
-        return torch.stack(out)  # [B, T, V]
+            mask = torch.arange(self.max_seq_length).view(1, 1, 1, -1) <= slots.view(batch, 1, width, 1)
+        seen = mask[:, 0]  # [B, T, S]
+        rank = seen.long().cumsum(-1) - 1  # the position a visible slot must hold: 0, 1, 2, ... in slot order
+        positions = written[..., 1].unsqueeze(1).expand_as(seen)  # [B, T, S]
+        assert bool(((positions == rank) | ~seen).all()), "a query sees positions other than 0, 1, 2, ..."
+        # each query's context: its visible slots' tokens, moved to the front in slot order (a stable sort)
+        order = torch.sort((~seen).long(), dim=-1, stable=True).indices  # [B, T, S]
+        tokens = written[..., 0].unsqueeze(1).expand_as(seen).gather(-1, order)  # [B, T, S]
+        lengths = seen.sum(-1).flatten().tolist()  # [B * T]
+        rows = [self.logits(tuple(row[:n])) for row, n in zip(tokens.flatten(0, 1).tolist(), lengths)]
+        return torch.stack(rows).view(batch, width, -1)  # [B, T, V]
 
 
 @functools.lru_cache(maxsize=None)
