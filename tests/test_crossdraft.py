@@ -23,7 +23,7 @@ import generate
 import tokenizer
 from decode import Engine, Sampling, logits_to_probs
 from model import ModelArgs, Transformer
-from helpers import plain_greedy, speculative, tokens
+from helpers import chi_square_pvalue, plain_greedy, speculative, tokens
 
 PROMPTS = ["def main(", "  two leading spaces and\ttabs", "café déjà 日本語 🙂 x", "total = 12345 + 678 * 90"]
 
@@ -320,18 +320,6 @@ def exact_target(root: Path, sampling: Sampling):
     p1 = logits_to_probs(target.logits(context), sampling).double()
     p2 = torch.stack([logits_to_probs(target.logits(context + (a,)), sampling) for a in range(len(p1))]).double()
     return p1, p1[:, None] * p2
-
-
-def chi_square_pvalue(counts, probs) -> float:
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * counts.sum()
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum().view(1)]).double()
-    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
-    observed, expected = observed[expected > 0], expected[expected > 0]
-    chi2 = ((observed - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2, dtype=torch.double), chi2 / 2))
 
 
 def speculative_draws(root: Path, sampling: Sampling, n: int, seed: int = 0):
