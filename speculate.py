@@ -230,7 +230,9 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     start = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
     input_pos = start + torch.tensor([tree.depths for tree in trees], device=device)  # [B, n]
     slots = start + torch.arange(n, device=device)  # [B, n]
-    mask = torch.cat([tree_mask(tree.parents, p, model.max_seq_length, device) for tree, p in zip(trees, pos)])
+    # built on the host row by row, copied to the device once: [B, 1, n, max_seq_length]
+    mask = torch.cat([tree_mask(tree.parents, p, model.max_seq_length, "cpu") for tree, p in zip(trees, pos)])
+    mask = mask.to(device)
     with sdpa_context():
         logits = target.forward(tokens, input_pos, slots, mask)  # [B, n, V]
     active = active if active is not None else [True] * len(trees)
@@ -606,7 +608,8 @@ class DraftModelSpeculator(TreeSpeculator):
                 rows.append(frontier + (frontier[-1:] or [0]) * (self.width - len(frontier)))
             slots = mask = None
             if self.width > 1:
-                mask = torch.cat([self.frontier_mask(tree, row, p, s) for tree, row, p, s in zip(trees, rows, pos, base)])
+                mask = torch.cat([self.frontier_mask(tree, row, p, s)  # [B, 1, width, max_seq_length]
+                                  for tree, row, p, s in zip(trees, rows, pos, base)]).to(device)
                 slots = torch.tensor(base, device=device).view(-1, 1) + torch.arange(self.width, device=device)
             x = torch.tensor([[tree.tokens[n] for n in row] for tree, row in zip(trees, rows)], device=device)
             input_pos = torch.tensor(pos, device=device).view(-1, 1).expand(batch, self.width) + d  # [B, width]
@@ -708,7 +711,7 @@ class DraftModelSpeculator(TreeSpeculator):
         mask = torch.zeros(len(frontier), self.draft_model.max_seq_length, dtype=torch.bool)
         mask[:, : pos + 1] = True
         mask[rows, cols] = True
-        return mask.view(1, 1, *mask.shape).to(self.draft_model.tok_embeddings.weight.device)
+        return mask.view(1, 1, *mask.shape)  # on the host: draft() copies the batch's masks to the device at once
 
     def select(self, tree: Tree, scores: list) -> Tree:
         """Keep the tree_nodes best nodes; ties go to the shallower, then the earlier node, so a child never
