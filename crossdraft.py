@@ -101,10 +101,11 @@ class CrossTokenizerSpeculator:
         self.to_target = dict(pairs)
         self.target_size = target_vocab_size
 
-    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None):
+    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None,
+                autotune: bool = False):
         """The draft's one-token forward as a static graph; the target's verify forward (compiled by the caller)
         then gets one shape: chains are padded to `nodes` + 1."""
-        self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph)
+        self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
         if compile_prefill:
             self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
         self.compiled = True

@@ -99,7 +99,7 @@ def sample_last(model: Transformer, h: Tensor, sampling: Sampling):
 
 
 def compile_engine(model: Transformer, device: str, compile_prefill: bool,
-                   whole_graph: Optional[bool] = None) -> Engine:
+                   whole_graph: Optional[bool] = None, autotune: bool = False) -> Engine:
     """Compiled decode (one static shape, [B, 1]), verification forward (one static shape per tree size) and,
     with compile_prefill, prefill (dynamic in the prompt length, so prompts of any length reuse it).
 
@@ -113,22 +113,32 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     and pre-packs them for the matmul kernels; it applies only to graphs traced without autograd, which is
     why every generation runs under torch.no_grad(), and such graphs are specialized on the model object, so
     a target and a draft of the same shape get graphs of their own (tests/test_decode.py checks both modes).
-    The price is compile time: a 30-layer model takes a minute or more on a small CPU."""
+    The price is compile time: a 30-layer model takes a minute or more on a small CPU.
+    autotune=True (implies the whole graph): mode="max-autotune". On CPU inductor then times its own C++ GEMM
+    templates (weights frozen and pre-packed into its micro-kernels' blocked layout) against ATen's for every
+    matmul shape of the graph and keeps the fastest: on a 2-core AVX-512 CPU the one-token decode of
+    SmolLM2-135M ran 2-2.6x faster and a 6-token verify forward 2.7x faster than the regional graphs, whose
+    small-M matmuls go through MKL (BENCHMARKS.md). Compiling takes minutes (every shape is benchmarked);
+    inductor's caches keep the choices for the next run. On CUDA it picks Triton configurations and still
+    replays CUDA graphs."""
     import torch._inductor.config as inductor_config
     cuda = device.startswith("cuda")
     inductor_config.fx_graph_cache = True  # a second run of the same model reuses the compiled kernels
     # one shape per graph: decode [B, 1], each tree size of the target and the draft, a shared block for all
     # models of one width; past the default of 8 graphs per function a fullgraph compile would raise
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    if whole_graph is None:
-        whole_graph = cuda
+    if whole_graph is None or autotune:
+        whole_graph = cuda or autotune
     if not whole_graph:
         return compile_regions(model, compile_prefill)
     if device == "cpu":
         inductor_config.freezing = True
     inductor_config.coordinate_descent_tuning = cuda
     inductor_config.triton.unique_kernel_names = True
-    mode = "reduce-overhead" if cuda else None
+    mode = "max-autotune" if autotune else "reduce-overhead" if cuda else None
+    if autotune:  # the choices are made quietly: no table of timings per matmul shape on stderr
+        inductor_config.autotune_num_choices_displayed = 0
+        inductor_config.max_autotune_report_choices_stats = False
     engine = Engine(model)
     engine.decode_one_token = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
     engine.forward = torch.compile(model, mode=mode, fullgraph=True, dynamic=False)

@@ -157,6 +157,10 @@ def parse_args(argv=None):
                    help="with --compile on CPU: the whole model as one frozen graph (minutes to compile for a deep "
                         "model) instead of one compiled block reused by every layer (the CPU default; CUDA always "
                         "compiles the whole graph, replayed as a CUDA graph)")
+    p.add_argument("--compile_autotune", action="store_true",
+                   help="with --compile: the whole graph, with every matmul shape timed against inductor's own "
+                        "kernels (C++ GEMM templates on CPU) and the fastest kept: the fastest decode, minutes to "
+                        "compile the first time (inductor's caches keep the choices)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="default: bf16 on CUDA, fp32 on CPU (bf16 mat-vec is slower than fp32 on many CPUs)")
@@ -189,8 +193,9 @@ def check_args(args):
         raise UserError("--prompt is not valid UTF-8 text: pass the prompt in UTF-8") from None
     if args.compile_prefill and not args.compile:
         raise UserError("--compile_prefill compiles the prefill beside the decode graph: add --compile")
-    if args.compile_whole_graph and not args.compile:
-        raise UserError("--compile_whole_graph chooses how --compile compiles: add --compile")
+    for flag in ("compile_whole_graph", "compile_autotune"):
+        if getattr(args, flag) and not args.compile:
+            raise UserError(f"--{flag} chooses how --compile compiles: add --compile")
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise UserError(f"--device {args.device}: use cpu or cuda (cuda:N)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -315,9 +320,9 @@ def main(argv=None) -> dict:
     target = Engine(model)
     if args.compile:
         whole_graph = True if args.compile_whole_graph else None  # None: compile_engine's default for the device
-        target = compile_engine(model, device, args.compile_prefill, whole_graph)
+        target = compile_engine(model, device, args.compile_prefill, whole_graph, args.compile_autotune)
         if drafter is not None:
-            drafter.compile(device, whole_graph=whole_graph)
+            drafter.compile(device, whole_graph=whole_graph, autotune=args.compile_autotune)
     say(f"Loaded {args.checkpoint_path} in {load_seconds:.2f} s"
         f"{' (quantization: ' + model.quantization['mode'] + ')' if model.quantization else ''}"
         f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
@@ -337,6 +342,9 @@ def main(argv=None) -> dict:
             write_output(args.profile, "--profile", lambda tmp: prof.export_chrome_trace(str(tmp)))
         return rows, stats, time.perf_counter() - t
 
+    # the cache for the longest prompt of the run, allocated once: a cache that grew later would change the
+    # compiled graphs' shapes and compile them again (minutes with --compile_autotune)
+    model.setup_caches(args.batch_size, len(prompt_ids) + args.max_new_tokens + 1 + (drafter.lookahead if drafter else 0))
     compile_seconds = 0.0
     if args.compile:  # a warm-up sample compiles the graphs; its time is reported, not counted
         compile_seconds = run(batches[0] if args.prompts_file else prompt_ids)[2]
@@ -478,6 +486,7 @@ def summarize(args, model, device, precision, prompt_ids, samples, stats, compil
     result = {
         "device": device, "precision": {v: k for k, v in PRECISIONS.items()}[precision],
         "compile": bool(args.compile), "speculative": drafter.kind if drafter else "none",
+        "compile_mode": compile_mode(args, device),
         "quantization": (model.quantization or {}).get("mode", "none"),
         "world_size": world_size, "batch_size": args.batch_size,
         "prompt_tokens": prompt_ids, "samples": samples, "tokens_per_sec": tokens_per_sec,
@@ -492,6 +501,15 @@ def summarize(args, model, device, precision, prompt_ids, samples, stats, compil
         import resource
         result["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     return result
+
+
+def compile_mode(args, device: str) -> str:
+    """How --compile compiled (decode.compile_engine): none, regional, whole_graph or autotune."""
+    if not args.compile:
+        return "none"
+    if args.compile_autotune:
+        return "autotune"
+    return "whole_graph" if args.compile_whole_graph or device.startswith("cuda") else "regional"
 
 
 def cli(argv=None) -> int:

@@ -263,7 +263,8 @@ class TreeSpeculator:
         self.auto_choice = {}  # --speculate_k auto: batch size -> "plain" or "speculate", as measured
         self.lookahead = tree_nodes + 2  # cache slots a step may write past the accepted tokens
 
-    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None):
+    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None,
+                autotune: bool = False):
         pass
 
     def generate(self, target: Engine, prompts: list, first: Tensor, max_new_tokens: int, sampling: Sampling,
@@ -527,13 +528,14 @@ class DraftModelSpeculator(TreeSpeculator):
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
         self.pending = []  # per row: accepted tokens not yet in the draft's cache (they come before the next root)
 
-    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None):
+    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None,
+                autotune: bool = False):
         """Static graphs for the per-step forwards (decode.compile_engine: by default one compiled block serving
         every layer on CPU, the whole model as CUDA graphs on GPU); the draft's prefill and its catch-up on
         looked-up tokens (once per generation, or rare) stay eager unless compile_prefill."""
-        self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph)
-        if whole_graph if whole_graph is not None else device.startswith("cuda"):
-            mode = "reduce-overhead" if device.startswith("cuda") else None
+        self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
+        if autotune or (whole_graph if whole_graph is not None else device.startswith("cuda")):
+            mode = "max-autotune" if autotune else "reduce-overhead" if device.startswith("cuda") else None
             self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
             self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
             if compile_prefill:

@@ -1,5 +1,6 @@
-"""Decode speed, in one process run: our generate() (eager and compiled; fp32, bf16, int8, int4) against
-transformers' greedy generate() on the same weights, beside the bandwidth this machine measures.
+"""Decode speed, in one process run: our generate() (eager and compiled: regional, whole graph, autotuned;
+fp32, bf16, int8, int4) against transformers' greedy generate() on the same weights, beside the bandwidth
+this machine measures. The real model against llama.cpp on its GGUF: scripts/bench_real.py.
 
     python scripts/bench.py                                   # tiny target + a random TinyLlama-1.1B-shape model
     python scripts/bench.py --skip_large --json bench_results/bench.json
@@ -19,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 import benchlib  # noqa: E402
@@ -63,15 +63,12 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
         path = benchlib.quantized_checkpoint(model_pth, quant, args.int4_groupsize) if quant else model_pth
         model = generate.load_model(path, "cpu", decode.PRECISIONS[precision])
         nbytes = model.model_bytes()
-        modes = ["eager"] if args.no_compile else ["eager", "compile"]
-        if precision == "fp32" and quant is None and not args.no_compile:
-            modes.append("compile, no freezing")  # what generate.py's choice of freezing=True is measured against
+        modes = ["eager"] if args.no_compile else args.modes.split(",")
         for mode in modes:
-            compiled = mode != "eager"
             torch._dynamo.reset()
             t = time.perf_counter()
-            engine = decode.compile_engine(model, "cpu", False) if compiled else decode.Engine(model)
-            torch._inductor.config.freezing = mode == "compile"  # read when the first call compiles
+            engine = decode.Engine(model) if mode == "eager" else \
+                decode.compile_engine(model, "cpu", False, whole_graph=mode != "regional", autotune=mode == "autotune")
             tps, tokens, _ = benchlib.time_ours(engine, prompt, args.new_tokens, greedy, repeats=args.repeats)
             row = {"model": label, "impl": "ours", "precision": precision, "quant": quant or "-",
                    "compile": mode, "tokens_per_sec": tps, "gbs": nbytes * tps / 1e9,
@@ -113,6 +110,9 @@ def main(argv=None):
                    help="where to keep the large random checkpoint (default: a temporary directory)")
     p.add_argument("--skip_large", action="store_true")
     p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--modes", default="eager,regional,autotune",
+                   help="comma-separated: eager, regional (the --compile default on CPU), whole (--compile_whole_graph), "
+                        "autotune (--compile_autotune)")
     p.add_argument("--prompt_tokens", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--large_new_tokens", type=int, default=24)

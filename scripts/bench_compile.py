@@ -13,7 +13,8 @@ filled (FX graph cache and AOTAutograd cache hits). Columns:
   tok/s         best of --repeats greedy generate() runs of --new_tokens tokens after a 16-token prompt
   same          the greedy tokens equal the eager model's
 Variants: eager; "whole graph" (compile_engine(whole_graph=True): one graph, inductor freezing on CPU);
-"regional" (the CPU default: one compiled block for every layer); the "row-major" variants keep every weight
+"regional" (the CPU default: one compiled block for every layer); "autotune" (generate.py --compile_autotune:
+the whole graph with every matmul shape timed against inductor's C++ GEMM templates); the "row-major" variants keep every weight
 in its checkpoint layout (Transformer.use_fast_weight_layout skipped), which is how whole-graph compilation
 ran before regional compilation and the per-device layout were added.
 """
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import benchlib  # noqa: E402
 from benchlib import ROOT  # noqa: E402
 
-VARIANTS = ["eager", "whole graph, row-major", "whole graph", "regional, row-major", "regional"]
+VARIANTS = ["eager", "whole graph, row-major", "whole graph", "regional, row-major", "regional", "autotune"]
 MODELS = [  # label, target, draft (the draft of scripts/demo.sh for SmolLM2: its own int4 copy)
     ("tiny", ROOT / "checkpoints/tiny/target/model.pth", ROOT / "checkpoints/tiny/draft/model.pth"),
     ("SmolLM2-135M", ROOT / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth",
@@ -54,7 +55,8 @@ def child(variant: str, target: str, draft: str, new_tokens: int, repeats: int) 
     def make_engine(model):
         if variant == "eager":
             return decode.Engine(model)
-        return decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=variant.startswith("whole"))
+        return decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=variant.startswith("whole"),
+                                     autotune=variant == "autotune")
 
     def run(engine, n):
         return generate.generate(engine, prompt, n, greedy, [], stop_at_eos=False)[0][0]

@@ -33,13 +33,15 @@ QUESTIONS = ["What is the capital of France? Answer in two sentences.",
              "Explain what a KV cache is in a transformer, briefly."]
 
 
-def ours(model, drafter_model=None, k=5, nodes=None, ngram=0, compiled=True):
-    """A run function for one of our configurations: compiled (or eager) target and drafter."""
-    engine = decode.compile_engine(model, "cpu", compile_prefill=True) if compiled else decode.Engine(model)
+def ours(model, drafter_model=None, k=5, nodes=None, ngram=0, compiled=True, autotune=False):
+    """A run function for one of our configurations: compiled (regional, or autotuned whole graphs) or eager
+    target and drafter."""
+    engine = decode.compile_engine(model, "cpu", compile_prefill=True, autotune=autotune) if compiled \
+        else decode.Engine(model)
     drafter = speculate.make_drafter(drafter_model, k, nodes, ngram, model.args.block_size) \
         if drafter_model is not None or ngram else None
     if drafter is not None and compiled:
-        drafter.compile("cpu")
+        drafter.compile("cpu", autotune=autotune)
     stats = {}
 
     def run(ids, new_tokens):
@@ -112,6 +114,14 @@ def main(argv=None):
                                                             compiled=compiled),
         "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled),
         "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4, compiled=compiled),
+        # --compile_autotune: whole graphs, every matmul shape timed against inductor's C++ GEMM templates
+        "ours fp32 autotune": lambda: ours(load(model_pth), compiled=compiled, autotune=True),
+        "ours int8 autotune": lambda: ours(load(int8_pth), compiled=compiled, autotune=True),
+        "ours int4 g32 autotune": lambda: ours(load(int4_pth), compiled=compiled, autotune=True),
+        "ours fp32 autotune, int4 draft chain K=5": lambda: ours(load(model_pth), load(int4_pth), 5, compiled=compiled,
+                                                                 autotune=True),
+        "ours fp32 autotune, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled,
+                                                        autotune=True),
         "transformers fp32": lambda: transformers_run(args.checkpoint_dir),
         "transformers fp32, prompt lookup": lambda: transformers_run(args.checkpoint_dir, prompt_lookup_num_tokens=5),
     }

@@ -80,10 +80,10 @@ def merge_stats(runs) -> dict:
             "speculate_k": stats[0]["speculate_k"], "tree_nodes": stats[0]["tree_nodes"]}
 
 
-def drafter_for(draft_model, k, nodes=None, ngram=0, compile_=True):
+def drafter_for(draft_model, k, nodes=None, ngram=0, compile_=True, autotune=False):
     drafter = speculate.make_drafter(draft_model, k, nodes, ngram, max_seq_length=4096)
-    if compile_:
-        drafter.compile("cpu")
+    if compile_ and drafter is not None:
+        drafter.compile("cpu", autotune=autotune)
     return drafter
 
 
@@ -103,6 +103,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--precision", choices=list(decode.PRECISIONS), default="fp32", help="of target and draft")
     p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--autotune", action="store_true",
+                   help="compile as generate.py --compile_autotune does (whole graphs, autotuned GEMM kernels)")
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--only", default="", help="comma-separated names of our configurations to run (default: all)")
     p.add_argument("--no_copy", action="store_true", help="skip the copy task")
@@ -124,8 +126,9 @@ def main(argv=None):
     files, code_prompts, copy_prompts = load_prompts(args.pair, tokenizer, args.prompts, args.prompt_tokens,
                                                      args.copy_tokens, target.args.bos_token_id or 1)
     print(f"prompts from {', '.join(f.name for f in files)}", flush=True)
-    engine = decode.compile_engine(target, "cpu", False) if compile_ else decode.Engine(target)
-    draft_engine = decode.compile_engine(draft, "cpu", False) if compile_ else decode.Engine(draft)
+    engine = decode.compile_engine(target, "cpu", False, autotune=args.autotune) if compile_ else decode.Engine(target)
+    draft_engine = decode.compile_engine(draft, "cpu", False, autotune=args.autotune) if compile_ \
+        else decode.Engine(draft)
 
     int8_draft = generate.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"), precision=precision)
 
@@ -147,8 +150,8 @@ def main(argv=None):
         if args.only:
             configs = {name: c for name, c in configs.items() if name in args.only.split(",")}
         drafters = {"plain": None}
-        drafters.update({name: drafter_for(model, k, nodes, ngram, compile_) for name, (model, k, nodes, ngram)
-                         in configs.items()})
+        drafters.update({name: drafter_for(model, k, nodes, ngram, compile_, args.autotune)
+                         for name, (model, k, nodes, ngram) in configs.items()})
         results = benchlib.time_interleaved(engine, drafters, prompts, args.new_tokens, sampling, args.repeats)
         base_tps, base_runs = results["plain"]
         rows.append({"task": task, "temperature": temperature, "impl": "ours", "config": "plain",

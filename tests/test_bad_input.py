@@ -308,6 +308,7 @@ CASES = [
              skip="this machine has CUDA" if torch.cuda.is_available() else None)),
     here(gen("precision_unknown", "--precision", "int3", expect=["--precision"], status=2)),
     gen("compile_prefill_without_compile", "--compile_prefill", expect=["--compile_prefill"]),
+    here(gen("compile_autotune_without_compile", "--compile_autotune", expect=["--compile_autotune", "--compile"])),
     gen("speculate_k_1000", "--draft_checkpoint_path", "{draft}/model.pth", "--speculate_k", "1000",
         expect=["--speculate_k", "256"], needs=("ckpt", "draft"), bound=30),
     here(gen("speculate_k_text", "--draft_ngram", "3", "--speculate_k", "many", expect=["--speculate_k"])),

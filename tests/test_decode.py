@@ -69,6 +69,16 @@ def test_compiled_verification_forward_equals_eager(random_target, whole_graph):
     torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
 
 
+def test_autotuned_engine_equals_eager(random_target):
+    """--compile_autotune: the whole graph with inductor's autotuned GEMM kernels decodes the eager tokens."""
+    model = generate.load_model(random_target)
+    prompt = torch.tensor([1, 17, 33, 250, 7, 90])
+    eager = greedy(decode.Engine(model), prompt)
+    torch._dynamo.reset()
+    engine = decode.compile_engine(model, "cpu", compile_prefill=False, autotune=True)
+    assert greedy(engine, prompt) == eager
+
+
 def test_generation_runs_without_autograd(random_target, monkeypatch):
     seen = []
     model = generate.load_model(random_target)

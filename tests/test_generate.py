@@ -118,8 +118,9 @@ def test_compiled_equals_eager_without_recompiling(random_target):
 
 def test_cli_compile_flag_reports_compile_time(random_target):
     stats = run(random_target, "--ignore_eos", "--compile", n=6)
-    assert stats["compile"] is True and stats["compile_seconds"] > 0
-    assert stats["samples"][0]["tokens"] == run(random_target, "--ignore_eos", n=6)["samples"][0]["tokens"]
+    assert stats["compile"] is True and stats["compile_seconds"] > 0 and stats["compile_mode"] == "regional"
+    plain = run(random_target, "--ignore_eos", n=6)
+    assert stats["samples"][0]["tokens"] == plain["samples"][0]["tokens"] and plain["compile_mode"] == "none"
 
 
 def error_of(*argv):
