@@ -344,7 +344,8 @@ def main(argv=None) -> dict:
 
     # the cache for the longest prompt of the run, allocated once: a cache that grew later would change the
     # compiled graphs' shapes and compile them again (minutes with --compile_autotune)
-    model.setup_caches(args.batch_size, len(prompt_ids) + args.max_new_tokens + 1 + (drafter.lookahead if drafter else 0))
+    lookahead = drafter.lookahead if drafter else 0
+    model.setup_caches(args.batch_size, len(prompt_ids) + args.max_new_tokens + 1 + lookahead)
     compile_seconds = 0.0
     if args.compile:  # a warm-up sample compiles the graphs; its time is reported, not counted
         compile_seconds = run(batches[0] if args.prompts_file else prompt_ids)[2]

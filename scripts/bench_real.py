@@ -1,7 +1,7 @@
 """A real pretrained model, end to end, in one process run: our decode (fp32, bf16, int8, int4; compiled),
 speculative decoding with the model's own int4 copy as the draft and with n-gram lookups, against
 transformers' generate() (plain and prompt_lookup_num_tokens) and llama.cpp on the GGUF the model came from
-(llama-cpp-python, if installed; same threads).
+(llama-cpp-python, if installed; same threads), and on a Q8_0 copy of it for the 8-bit column.
 
     python scripts/bench_real.py                      # SmolLM2-135M-Instruct from scripts/demo.sh
     python scripts/bench_real.py --checkpoint_dir DIR --gguf FILE.gguf --json bench_results/real.json
@@ -42,7 +42,7 @@ def ours(model, drafter_model=None, k=5, nodes=None, ngram=0, compiled=True, aut
         if drafter_model is not None or ngram else None
     if drafter is not None and compiled:
         drafter.compile("cpu", autotune=autotune)
-    stats = {}
+    stats = {"model_bytes": model.model_bytes()}  # weight bytes a decode step reads
 
     def run(ids, new_tokens):
         tokens, s = generate.generate(engine, torch.tensor(ids), new_tokens, decode.Sampling(), [], stop_at_eos=False,
@@ -77,6 +77,23 @@ def llama_cpp_run(gguf: Path, threads: int):
     return run, {}
 
 
+def requantized_q8_0(gguf: Path) -> Path:
+    """A Q8_0 copy of a GGUF, for llama.cpp's 8-bit column when only a 4-bit file is at hand: llama.cpp
+    dequantizes each tensor and quantizes it again (8.5 bits a weight: the bytes and kernels of a native Q8_0
+    file; its values carry the 4-bit file's rounding). Written once, beside the original."""
+    import ctypes
+    import llama_cpp
+    out = gguf.with_name(gguf.name.replace(gguf.name.split(".")[-2], "Q8_0"))
+    if not out.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, True
+        tmp = out.with_suffix(".tmp")
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not requantize {gguf}")
+        tmp.rename(out)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint_dir", type=Path, default=ROOT / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -91,6 +108,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
+    bandwidth = benchlib.measure_bandwidth()  # this run's, as the machine's moves between runs
+    print(f"measured: read {bandwidth['read_gbs']:.1f} GB/s, fp32 mat-vec {bandwidth['fp32_matvec_gbs']:.1f} GB/s",
+          flush=True)
     torch._dynamo.config.cache_size_limit = 64
     if not args.warm_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
@@ -129,6 +149,8 @@ def main(argv=None):
         import llama_cpp  # noqa: F401
         if args.gguf.is_file():
             configs[f"llama.cpp {args.gguf.name.split('.')[-2]}"] = lambda: llama_cpp_run(args.gguf, threads)
+            if args.gguf.name.split(".")[-2] != "Q8_0":  # the 8-bit peer of our int8
+                configs["llama.cpp Q8_0"] = lambda: llama_cpp_run(requantized_q8_0(args.gguf), threads)
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp column", flush=True)
     if args.only:
@@ -157,6 +179,9 @@ def main(argv=None):
         row = {"config": name, "tokens_per_sec": tps, "setup_seconds": compile_seconds[name]}
         if stats.get("accept_counts"):
             row["tokens_per_target_forward"] = stats["tokens_per_target_forward"]
+        elif "model_bytes" in stats:  # plain decode: one read of the weights per token
+            row["gbs"] = stats["model_bytes"] * tps / 1e9
+            row["pct_read_bw"] = 100 * row["gbs"] / bandwidth["read_gbs"]
         if "ours fp32" in outputs:  # greedy ids of the last prompt, token for token
             row["same_as_ours_fp32"] = outputs[name] == outputs["ours fp32"]
         rows.append(row)
@@ -167,9 +192,11 @@ def main(argv=None):
         row["x_transformers_fp32"] = row["tokens_per_sec"] / reference if reference else None
         row["x_llama_cpp"] = row["tokens_per_sec"] / llama if llama else None
     print()
-    benchlib.print_table(rows, ["config", "tokens_per_sec", "x_ours_fp32", "x_transformers_fp32", "x_llama_cpp",
+    benchlib.print_table(rows, ["config", "tokens_per_sec", "gbs", "pct_read_bw", "x_ours_fp32", "x_transformers_fp32",
+                                "x_llama_cpp",
                                 "tokens_per_target_forward", "same_as_ours_fp32", "setup_seconds"])
     benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": rows,
+                                    "bandwidth": bandwidth,
                                     "settings": {k: str(v) for k, v in vars(args).items()}})
 
 
