@@ -68,6 +68,10 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--autotune", action="store_true",
+                   help="compile as generate.py --compile_autotune does (whole graphs, autotuned GEMM kernels)")
+    p.add_argument("--only", default=None, help="comma-separated speculative configurations to run beside plain "
+                                                 "(default: chain K=5, tree N=16 K=5, chain K=auto; '' for none)")
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/batched.json")
@@ -84,18 +88,21 @@ def main(argv=None):
     files, prompts, _ = load_prompts(args.pair, tokenizer, max(sizes), args.prompt_tokens, 64,
                                      target.args.bos_token_id or 1)
     prompts = [p[: len(p) - 7 * i] for i, p in enumerate(prompts)]  # different lengths, whatever the files
-    engine = decode.Engine(target) if args.no_compile else decode.compile_engine(target, "cpu", False)
+    engine = decode.Engine(target) if args.no_compile else \
+        decode.compile_engine(target, "cpu", False, autotune=args.autotune)
     hf_target = None if args.no_transformers else benchlib.hf_model(args.pair / "target")
     sampling = decode.Sampling(args.temperature)
     k, nodes = args.k, args.tree_nodes
     configs = {f"chain K={k}": (k, None), f"tree N={nodes} K={k}": (k, nodes), "chain K=auto": ("auto", None)}
+    if args.only is not None:
+        configs = {name: c for name, c in configs.items() if name in args.only.split(",")}
     rows = []
     for batch in sizes:
         drafters = {"plain": None}
         for name, (depth, n) in configs.items():
             drafters[name] = speculate.make_drafter(draft, depth, n, 0, max_seq_length=4096)
             if not args.no_compile:
-                drafters[name].compile("cpu")
+                drafters[name].compile("cpu", autotune=args.autotune)
         results = time_batches(engine, drafters, prompts[:batch], args.new_tokens, sampling, args.repeats)
         plain_tps, plain_rows, _ = results["plain"]
         hf_tps = time_transformers_batch(hf_target, prompts[:batch], args.new_tokens, args.repeats) \
