@@ -127,15 +127,13 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     # one shape per graph: decode [B, 1], each tree size of the target and the draft, a shared block for all
     # models of one width; past the default of 8 graphs per function a fullgraph compile would raise
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    if whole_graph is None or autotune:
-        whole_graph = cuda or autotune
+    whole_graph, mode = whole_graph_mode(device, whole_graph, autotune)
     if not whole_graph:
         return compile_regions(model, compile_prefill)
     if device == "cpu":
         inductor_config.freezing = True
     inductor_config.coordinate_descent_tuning = cuda
     inductor_config.triton.unique_kernel_names = True
-    mode = "max-autotune" if autotune else "reduce-overhead" if cuda else None
     if autotune:  # the choices are made quietly: no table of timings per matmul shape on stderr
         inductor_config.autotune_num_choices_displayed = 0
         inductor_config.max_autotune_report_choices_stats = False
@@ -145,6 +143,14 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     if compile_prefill:
         engine.prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
     return engine
+
+
+def whole_graph_mode(device: str, whole_graph: Optional[bool] = None, autotune: bool = False):
+    """(whether compile_engine compiles the whole model, the torch.compile mode of its graphs): autotune implies
+    the whole graph; None chooses the device's default (regional on CPU, CUDA graphs on GPU)."""
+    cuda = device.startswith("cuda")
+    whole_graph = autotune or (cuda if whole_graph is None else whole_graph)
+    return whole_graph, "max-autotune" if autotune else "reduce-overhead" if cuda else None
 
 
 def compile_regions(model: Transformer, compile_prefill: bool) -> Engine:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import speculate
-from decode import PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sdpa_context
+from decode import PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sdpa_context, whole_graph_mode
 from model import ModelArgs, Transformer, UserError, load_weights, read_checkpoint, write_atomically
 from tokenizer import get_tokenizer
 
@@ -510,7 +510,7 @@ def compile_mode(args, device: str) -> str:
         return "none"
     if args.compile_autotune:
         return "autotune"
-    return "whole_graph" if args.compile_whole_graph or device.startswith("cuda") else "regional"
+    return "whole_graph" if whole_graph_mode(device, args.compile_whole_graph or None)[0] else "regional"
 
 
 def cli(argv=None) -> int:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from decode import (Engine, Sampling, compile_engine, compiled_region, decode_n_tokens, logits_to_probs, run_block,
-                    sample_from, sdpa_context)
+                    sample_from, sdpa_context, whole_graph_mode)
 from model import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -534,8 +534,8 @@ class DraftModelSpeculator(TreeSpeculator):
         every layer on CPU, the whole model as CUDA graphs on GPU); the draft's prefill and its catch-up on
         looked-up tokens (once per generation, or rare) stay eager unless compile_prefill."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
-        if autotune or (whole_graph if whole_graph is not None else device.startswith("cuda")):
-            mode = "max-autotune" if autotune else "reduce-overhead" if device.startswith("cuda") else None
+        whole_graph, mode = whole_graph_mode(device, whole_graph, autotune)
+        if whole_graph:
             self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
             self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
             if compile_prefill:
