@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import (Engine, Sampling, compile_engine, compiled_region, decode_n_tokens, logits_to_probs, run_block,
-                    sample_from, sdpa_context, whole_graph_mode)
+from decode import (Engine, Sampling, compile_engine, compiled_region, decode_n_tokens, exponential_like,
+                    logits_to_probs, run_block, sample_from, sdpa_context, whole_graph_mode)
 from model import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -655,7 +655,7 @@ class DraftModelSpeculator(TreeSpeculator):
         for r, tokens in enumerate(exclude or []):
             if tokens:
                 q[r] = without(q[r], tokens)
-        keys = q.log() - torch.empty_like(q).exponential_().log()  # log q + Gumbel noise
+        keys = q.log() - exponential_like(q).log()  # log q + Gumbel noise
         drawn = torch.topk(keys, self.width, dim=-1).indices  # [rows, width], in the order drawn
         top = torch.topk(q, self.width, dim=-1).values.double()  # [rows, width] sorted probabilities: known before drawing
         if self.width == 1:
