@@ -6,6 +6,7 @@
 """
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -130,6 +131,13 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     import torch._inductor.config as inductor_config
     cuda = device.startswith("cuda")
     inductor_config.fx_graph_cache = True  # a second run of the same model reuses the compiled kernels
+    if not cuda and os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None \
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        # inductor otherwise proves in every process that its C++ compiler builds each vector instruction set the
+        # CPU lists (a build per set into the cache, then a subprocess that loads it): 8-9 s of a cold compile on
+        # 2 cores, about 1 s warm (BENCHMARKS.md). ATen already runs this CPU's AVX2 / AVX-512 kernels, and any
+        # compiler that builds inductor's C++17 emits them. Setting TORCHINDUCTOR_VEC_ISA_OK yourself overrides this.
+        inductor_config.cpp.vec_isa_ok = True
     # one shape per graph: decode [B, 1], each tree size of the target and the draft, a shared block for all
     # models of one width; past the default of 8 graphs per function a fullgraph compile would raise
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
