@@ -90,3 +90,19 @@ def test_generation_runs_without_autograd(random_target, monkeypatch):
 
     greedy(decode.Engine(model, decode_one_token=watched), torch.tensor([1, 2, 3]), n=3)
     assert seen and not any(seen)
+
+
+def test_compile_engine_skips_inductors_vector_isa_probe(random_target, monkeypatch):
+    """On an AVX2 / AVX-512 CPU the engine tells inductor to use the vector ISA ATen runs instead of proving with a C++
+    build per ISA in each process (most of a cold compile); a TORCHINDUCTOR_VEC_ISA_OK of the user's wins."""
+    import torch._inductor.config as inductor_config
+    model = generate.load_model(random_target)
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+    decode.compile_engine(model, "cpu", compile_prefill=False)
+    vector_cpu = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    assert inductor_config.cpp.vec_isa_ok is (True if vector_cpu else None)
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "1")
+    decode.compile_engine(model, "cpu", compile_prefill=False)
+    assert inductor_config.cpp.vec_isa_ok is None  # left to inductor, which reads the variable itself
