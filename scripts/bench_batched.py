@@ -43,6 +43,62 @@ def time_batches(engine, drafters: dict, prompts: list, new_tokens: int, samplin
     return {name: (sum(map(len, last[name][0])) / best[name], *last[name]) for name in drafters}
 
 
+@torch.no_grad()
+def decode_padded(engine, prompts: list, new_tokens: int, left: bool) -> list:
+    """Greedy decode of rows of different prompt lengths, one of two cache layouts (both through engine.forward, the
+    compiled multi-token graph with an explicit mask, so that only the layout differs):
+    per-row positions (what generate() does): row b's prompt at slots 0..len_b - 1, right-padded, its step i at slot
+    len_b + i = its RoPE position, seeing slots <= its own;
+    left padding (what transformers does): row b's prompt at slots pad_b..T - 1 (pad_b = T - len_b), every row's
+    step i at slot T + i, RoPE position slot - pad_b, the mask hiding slots < pad_b (a padding query sees itself, so
+    no row of the attention is empty). Returns the new ids per row."""
+    model = engine.model
+    batch, width = len(prompts), max(map(len, prompts))
+    lengths = torch.tensor([len(p) for p in prompts]).view(batch, 1)  # [B, 1]
+    pad = width - lengths if left else torch.zeros_like(lengths)  # [B, 1]
+    model.setup_caches(batch, width + new_tokens + 1)
+    cache = torch.arange(model.max_seq_length).view(1, 1, -1)  # [1, 1, S]
+
+    def mask_for(slots):  # [B, 1, t, S]
+        seen = (cache >= pad.unsqueeze(-1)) | (cache == slots.unsqueeze(-1))
+        return (seen & (cache <= slots.unsqueeze(-1))).unsqueeze(1)
+
+    rows = [[0] * (width - len(p)) + list(p) if left else list(p) + [0] * (width - len(p)) for p in prompts]
+    slots = torch.arange(width).expand(batch, width)  # [B, T]
+    logits = model(torch.tensor(rows), (slots - pad).clamp_min(0), slots, mask_for(slots))  # prefill, eager
+    last = slots[:, -1:] if left else lengths - 1  # [B, 1]: each row's last prompt slot
+    token = logits.gather(1, last.unsqueeze(-1).expand(batch, 1, logits.shape[-1]))[:, 0].argmax(-1)  # [B]
+    out = [token]
+    for _ in range(new_tokens - 1):
+        last = last + 1
+        token = engine.forward(token.view(batch, 1), last - pad, last, mask_for(last))[:, -1].argmax(-1)
+        out.append(token)
+    return torch.stack(out, 1).tolist()  # [B, new_tokens]
+
+
+def compare_padding(engine, prompts: list, sizes: list, new_tokens: int, repeats: int) -> list:
+    """Total tokens/s of decode_padded's two layouts at each batch size, taking turns; and whether each decodes
+    generate()'s greedy ids."""
+    rows = []
+    for batch in sizes:
+        best, ids = {"per-row positions": float("inf"), "left padding": float("inf")}, {}
+        for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
+            for name in best:
+                start = time.perf_counter()
+                ids[name] = decode_padded(engine, prompts[:batch], new_tokens, left=name == "left padding")
+                if turn:
+                    best[name] = min(best[name], time.perf_counter() - start)
+        plain = generate.generate(engine, [list(p) for p in prompts[:batch]], new_tokens, decode.Sampling(), [],
+                                  stop_at_eos=False)[0]
+        per_row = batch * new_tokens / best["per-row positions"]
+        for name, seconds in best.items():
+            rows.append({"batch": batch, "layout": name, "tokens_per_sec": batch * new_tokens / seconds,
+                         "vs_per_row": batch * new_tokens / seconds / per_row,
+                         "same_as_generate": ids[name] == plain})
+        print(", ".join(f"B={batch} {r['layout']} {r['tokens_per_sec']:.1f}" for r in rows[-2:]), flush=True)
+    return rows
+
+
 def time_transformers_batch(model, prompts: list, new_tokens: int, repeats: int) -> float:
     """Total tokens/s of transformers' greedy generate() on the left-padded batch."""
     width = max(map(len, prompts))
@@ -73,8 +129,11 @@ def main(argv=None):
     p.add_argument("--only", default=None, help="comma-separated speculative configurations to run beside plain "
                                                  "(default: chain K=5, tree N=16 K=5, chain K=auto; '' for none)")
     p.add_argument("--no_transformers", action="store_true")
+    p.add_argument("--padding", action="store_true",
+                   help="only compare the two cache layouts for rows of different lengths (per-row positions against "
+                        "left padding with a mask), plain greedy decode; writes --json (default bench_results/padding.json)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
-    p.add_argument("--json", type=Path, default=ROOT / "bench_results/batched.json")
+    p.add_argument("--json", type=Path, default=None, help="default bench_results/batched.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count())
     torch._dynamo.config.cache_size_limit = 64
@@ -90,6 +149,14 @@ def main(argv=None):
     prompts = [p[: len(p) - 7 * i] for i, p in enumerate(prompts)]  # different lengths, whatever the files
     engine = decode.Engine(target) if args.no_compile else \
         decode.compile_engine(target, "cpu", False, autotune=args.autotune)
+    if args.padding:
+        rows = compare_padding(engine, prompts, sizes, args.new_tokens, args.repeats)
+        print()
+        benchlib.print_table(rows, ["batch", "layout", "tokens_per_sec", "vs_per_row", "same_as_generate"])
+        benchlib.write_json(args.json or ROOT / "bench_results/padding.json",
+                            {"machine": benchlib.machine(), "command": sys.argv, "prompt_lengths": list(map(len, prompts)),
+                             "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+        return
     hf_target = None if args.no_transformers else benchlib.hf_model(args.pair / "target")
     sampling = decode.Sampling(args.temperature)
     k, nodes = args.k, args.tree_nodes
@@ -124,7 +191,7 @@ def main(argv=None):
                "fell_back_to_plain", "same_as_plain"]
     print()
     benchlib.print_table(rows, columns)
-    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv,
+    benchlib.write_json(args.json or ROOT / "bench_results/batched.json", {"machine": benchlib.machine(), "command": sys.argv,
                                     "prompt_files": [str(f) for f in files], "prompt_lengths": list(map(len, prompts)),
                                     "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
