@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, compile_engine, logits_to_probs, sample_from, sdpa_context
+from decode import Engine, Sampling, compile_engine, sample_from, sdpa_context
 from model import UserError
 from speculate import MAX_TREE_NODES, Stats, Tree, verify_step
 
@@ -104,7 +104,8 @@ class CrossTokenizerSpeculator:
     def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None,
                 autotune: bool = False):
         """The draft's one-token forward as a static graph; the target's verify forward (compiled by the caller)
-        then gets one shape: chains are padded to `nodes` + 1."""
+        then gets two shapes: chains are padded to K + 1 or, when re-tokenization made them longer, `nodes` + 1
+        target tokens (on a CPU a verify forward costs more for every token it carries, padding included)."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
         if compile_prefill:
             self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
@@ -134,8 +135,8 @@ class CrossTokenizerSpeculator:
             last = len(out) == max_new_tokens - 1  # only the target's own token can still be emitted
             tree, forwards = self.draft(out[-1], 0 if last else self.nodes, sampling)
             proposed = len(tree.tokens) - 1
-            if self.compiled:
-                tree.pad_to(self.nodes + 1)
+            if self.compiled:  # two verify shapes: K + 1 target tokens (every sampled chain, most greedy ones), 2K + 1
+                tree.pad_to((self.depth if proposed <= self.depth else self.nodes) + 1)
             path, next_token = verify_chain(target, tree, pos, sampling)
             stats.draft_forwards += forwards
             stats.target_forwards += 1
@@ -188,16 +189,17 @@ class CrossTokenizerSpeculator:
         self.pending = []
         for _ in range(self.depth):
             x = torch.tensor([[token]], device=device)
-            with sdpa_context():
-                logits = self.engine.forward(x, torch.tensor([[len(self.cached)]], device=device))[0, -1]
+            with sdpa_context():  # the draft's one-token decode graph: its argmax, and q, its warped distribution
+                argmax, q = self.engine.decode_one_token(self.draft_model, x,
+                                                         torch.tensor([[len(self.cached)]], device=device), sampling)
             self.cached.append(token)
             forwards += 1
             if sampling.temperature == 0:
-                token = int(logits.argmax())
+                token = int(argmax[0])
                 if self.draft_vocab.bytes[token] is None:  # a special token ends what the draft can say as text
                     break
             else:
-                proposal = self.proposal(logits, sampling)
+                proposal = self.proposal(q[0])
                 if proposal is None:  # no mass on tokens both vocabularies share
                     break
                 q_draft, q_target = proposal
@@ -209,10 +211,10 @@ class CrossTokenizerSpeculator:
                 tree.add(t, len(tree.tokens) - 1)
         return tree, forwards
 
-    def proposal(self, logits: Tensor, sampling: Sampling):
-        """TLI's proposal: q_I = the draft's warped distribution q (same temperature / top-k / top-p as the
-        target's) restricted to I and renormalized, over the draft's vocabulary and pushed to the target's
-        (q_T(y) = sum of q_I(d) over the d in I that map to y); None where q puts no mass on I.
+    def proposal(self, q: Tensor):
+        """TLI's proposal: q_I = q, the draft's warped distribution (same temperature / top-k / top-p as the
+        target's: decode.logits_to_probs), restricted to I and renormalized, over the draft's vocabulary and pushed
+        to the target's (q_T(y) = sum of q_I(d) over the d in I that map to y); None where q puts no mass on I.
 
         Why it is lossless: the drafted draft token d is drawn from q_I and the target sees y = map(d), so given
         everything that decided the chain so far (the accepted text, the draft's own earlier draws), y is
@@ -224,7 +226,7 @@ class CrossTokenizerSpeculator:
         was really drawn from (renormalized over I: handing the verifier q restricted to I but not renormalized
         overstates p/q and accepts too often; the tests' broken variant does that and is rejected), and every
         drawn d must have a target token (the draft never samples outside I)."""
-        q = logits_to_probs(logits, sampling) * self.in_both[: logits.shape[-1]]
+        q = q * self.in_both[: q.shape[-1]]
         mass = q.sum()
         if not mass > 0:
             return None

@@ -143,10 +143,23 @@ def test_greedy_identical_on_every_prompt(random_target, noisy_draft, byte_level
     assert tokens(speculative(random_target, byte_level_draft, 3, "--ignore_eos", prompt=prompt)) == want
 
 
-def test_compiled_greedy_identical(random_target, noisy_draft):
-    """Compiled target and draft graphs (chains padded to one verify shape): still the target's greedy output."""
+def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
+    """Compiled target and draft graphs, chains padded to one of two verify shapes (K + 1 target tokens, or 2K + 1
+    when re-tokenization made the chain longer): still the target's greedy output. A sampled chain has one target
+    token per draft token: always K + 1."""
+    sizes, real = [], crossdraft.verify_step
+
+    def verify_step(target, trees, *args):
+        sizes.append(len(trees[0].tokens))
+        return real(target, trees, *args)
+
+    monkeypatch.setattr(crossdraft, "verify_step", verify_step)
     got = speculative(random_target, noisy_draft, 4, "--compile", "--ignore_eos")
     assert tokens(got) == plain_greedy(random_target)[:29] and sum(got["accept_counts"][1:]) > 0
+    assert set(sizes) <= {5, 9} and 5 in sizes, sizes
+    sizes.clear()
+    speculative(random_target, noisy_draft, 4, "--compile", "--temperature", "0.8", "--ignore_eos")
+    assert set(sizes) == {5}, sizes
 
 
 def test_exactly_max_new_tokens(random_target, noisy_draft):
@@ -340,11 +353,11 @@ def speculative_draws(root: Path, sampling: Sampling, n: int, seed: int = 0):
     return torch.tensor(draws), accept_counts
 
 
-def unnormalized_proposal(self, logits, sampling):
+def unnormalized_proposal(self, q):
     """Broken: the draft samples from q restricted to the intersection and renormalized, but the verifier is
     handed the restricted q without the renormalization."""
-    q_draft, q_target = real_proposal(self, logits, sampling)
-    mass = (logits_to_probs(logits, sampling) * self.in_both[: logits.shape[-1]]).sum()
+    q_draft, q_target = real_proposal(self, q)
+    mass = (q * self.in_both[: q.shape[-1]]).sum()
     return q_draft, q_target * mass
 
 
