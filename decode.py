@@ -34,14 +34,19 @@ def logits_to_probs(logits: Tensor, sampling: Sampling) -> Tensor:
     if sampling.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / sampling.temperature
+    top_p = sampling.top_p is not None and sampling.top_p < 1.0
+    ranked = None  # the largest logits, sorted descending, when top-k already found them
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if sampling.top_p is not None and sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= sampling.top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
+        ranked = torch.topk(logits, sampling.top_k, dim=-1).values  # [..., k]
+        logits = logits.masked_fill(logits < ranked[..., -1:], -float("inf"))  # ties with the k-th stay
+    if top_p:
+        # keep the smallest set of the largest logits whose mass reaches top_p (a logit tied with the last one kept
+        # stays too); after top-k only its k sorted values need looking at, not a sort of the whole vocabulary
+        if ranked is None:
+            ranked = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
+        mass = (ranked - torch.logsumexp(logits, -1, keepdim=True)).exp()  # [..., k or V]
+        kept = (mass.cumsum(-1) - mass < sampling.top_p).sum(-1, keepdim=True)  # >= 1: the first is always kept
+        logits = logits.masked_fill(logits < ranked.gather(-1, kept - 1), -float("inf"))
     return torch.softmax(logits, dim=-1)
 
 

@@ -96,6 +96,29 @@ def test_logits_to_probs_warping():
     assert torch.allclose(sharp, torch.softmax(logits / 0.5, -1))
 
 
+@pytest.mark.parametrize("top_k,top_p", [(None, 0.9), (5, 0.5), (3, 0.95), (40, 0.8), (None, 0.3), (2, 0.999)])
+def test_top_k_then_top_p_is_the_sorted_nucleus(top_k, top_p):
+    """Top-p after top-k looks only at the top-k values: the kept set is still the smallest set of the largest
+    logits whose mass (after top-k) reaches top_p, as a float64 sort of the whole vocabulary finds it; ties with
+    the k-th logit stay. Rows whose mass lands within 1e-5 of top_p at the boundary are float rounding's call."""
+    torch.manual_seed(top_k or 0)
+    logits = torch.randn(64, 300) * torch.linspace(0.3, 4.0, 64).view(-1, 1)
+    logits[0, :4] = logits[0].max() + 1.0  # four tied largest logits
+    got = decode.logits_to_probs(logits, decode.Sampling(0.8, top_k=top_k, top_p=top_p))
+    x = logits.double() / 0.8
+    if top_k is not None:
+        x = x.masked_fill(x < torch.topk(x, top_k).values[:, -1:], -float("inf"))
+    ranked, order = torch.sort(x, descending=True)
+    mass = ranked.softmax(-1)
+    before = mass.cumsum(-1) - mass
+    want = torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, before < top_p)
+    want |= x >= torch.where(want, x, torch.inf).min(-1, keepdim=True).values  # ties with the last kept
+    clear = ((before - top_p).abs() > 1e-5).all(-1)
+    assert clear.sum() > 48
+    assert torch.equal((got > 0)[clear], want[clear])
+    assert torch.allclose(got.double()[clear], x.masked_fill(~want, -float("inf")).softmax(-1)[clear], atol=1e-6)
+
+
 def test_compiled_equals_eager_without_recompiling(random_target):
     from torch._dynamo.utils import counters
     prompts = [torch.tensor(p) for p in ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4], [1, 30, 31, 32, 33, 34])]
