@@ -45,8 +45,9 @@ def logits_to_probs(logits: Tensor, sampling: Sampling) -> Tensor:
         if ranked is None:
             ranked = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
         mass = (ranked - torch.logsumexp(logits, -1, keepdim=True)).exp()  # [..., k or V]
-        kept = (mass.cumsum(-1) - mass < sampling.top_p).sum(-1, keepdim=True)  # >= 1: the first is always kept
-        logits = logits.masked_fill(logits < ranked.gather(-1, kept - 1), -float("inf"))
+        kept = (mass.cumsum(-1) - mass < sampling.top_p).sum(-1, keepdim=True)  # the first is always kept
+        # (NaN logits, from broken weights, keep none: clamped, so that the caller's NaN check still speaks)
+        logits = logits.masked_fill(logits < ranked.gather(-1, kept.clamp_min(1) - 1), -float("inf"))
     return torch.softmax(logits, dim=-1)
 
 

@@ -243,6 +243,8 @@ CASES = [
     here(gen("pth_non_tensor_value", expect=["{ckpt}/model.pth"],
              setup=lambda w: w.state(lambda sd: dict(sd, **{"norm.weight": 3})))),
     gen("pth_nan_weights", expect=["{ckpt}/model.pth", "NaN"], setup=nan_weights),
+    here(gen("pth_nan_weights_top_p", "--temperature", "0.7", "--top_p", "0.9", expect=["{ckpt}/model.pth", "NaN"],
+             setup=nan_weights)),
     here(gen("pth_unknown_quantization", expect=["{ckpt}/model.pth", "int3"],
              setup=lambda w: torch.save({"quantization": {"mode": "int3"}, "model": {}}, w.ckpt / "model.pth"))),
     here(gen("pth_is_a_directory", "--checkpoint_path", "{ckpt}", expect=["{ckpt}", "model.pth"])),
