@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from model import Transformer
+from model import Linear, Transformer
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -157,6 +157,10 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     if autotune:  # the choices are made quietly: no table of timings per matmul shape on stderr
         inductor_config.autotune_num_choices_displayed = 0
         inductor_config.max_autotune_report_choices_stats = False
+    if autotune:  # inductor times its own GEMM templates against ATen for every shape: the choice is all its own
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.packed = None
     engine = Engine(model)
     engine.decode_one_token = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
     engine.forward = torch.compile(model, mode=mode, fullgraph=True, dynamic=False)

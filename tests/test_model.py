@@ -228,3 +228,43 @@ def test_bf16_weights_keep_their_layout():
     model = tiny_model(**SHAPES["gqa"]).to(torch.bfloat16)
     model.use_fast_weight_layout()
     assert all(p.is_contiguous() for p in model.parameters())
+
+
+@pytest.mark.parametrize("faster", [True, False], ids=["onednn-faster", "mkl-faster"])
+def test_onednn_packing_follows_the_measurement_and_keeps_logits(monkeypatch, faster):
+    """use_fast_weight_layout packs a float32 linear for oneDNN exactly where onednn_is_faster says so; products of
+    several rows then run on the packed copy (F.linear is not called), one row keeps F.linear; logits equal the
+    unpacked model's up to float32 rounding; the state dict has no packed entry; bf16 is never packed."""
+    import model as model_module
+    monkeypatch.setattr(model_module, "onednn_is_faster", lambda out_features, in_features: faster)
+    model, original = tiny_model(**SHAPES["tied-llama3"]), tiny_model(**SHAPES["tied-llama3"])
+    keys = list(model.state_dict())
+    model.use_fast_weight_layout()
+    linears = [m for m in model.modules() if isinstance(m, model_module.Linear)]
+    assert linears and all((m.packed is not None) == faster for m in linears)
+    assert list(model.state_dict()) == keys and model.output.weight is model.tok_embeddings.weight
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(model_module.F, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
+    ids = tokens(20, batch=2)
+    want, want_first = full_forward(original, ids), full_forward(original, ids[:, :1])
+    calls.clear()
+    assert_close(full_forward(model, ids), want)
+    assert (calls == []) == faster
+    model.setup_caches(2, MAX_SEQ)
+    with torch.no_grad():  # one token a row: 2 rows, so still packed; then one row
+        assert_close(model(ids[:, :1], torch.zeros(2, 1, dtype=torch.long)), want_first)
+        assert (calls == []) == faster
+        model(ids[:1, :1], torch.zeros(1, 1, dtype=torch.long))
+    assert len(calls) >= len(linears) - 1  # every layer's one-row product went through F.linear
+    bf16 = tiny_model(**SHAPES["gqa"]).to(torch.bfloat16)
+    bf16.use_fast_weight_layout()
+    assert all(m.packed is None for m in bf16.modules() if isinstance(m, model_module.Linear))
+
+
+def test_onednn_is_faster_is_measured_once_per_shape():
+    import model as model_module
+    model_module.onednn_is_faster.cache_clear()
+    first = model_module.onednn_is_faster(96, 64)
+    assert isinstance(first, bool) and model_module.onednn_is_faster(96, 64) is first
+    assert model_module.onednn_is_faster.cache_info().hits == 1
