@@ -629,6 +629,12 @@ class DraftModelSpeculator(TreeSpeculator):
         """One draft forward over x [B, T]; the children of each query (of each row's last one if `last`), best
         first: [[(token, proposal, log-estimate, cell)]], proposal None for a deterministic child.
         `exclude`: per query, tokens it must not draw."""
+        if self.width == 1 and x.shape[1] == 1:  # a chain step (at consecutive slots: the causal mask is its tree's):
+            with sdpa_context():  # the draft's one-token decode graph, head and warping and drawing compiled in
+                tokens, q = self.engine.decode_one_token(self.draft_model, x, input_pos, sampling)
+            # its token is the argmax at temperature 0, else a draw from q (decode.sample_from), which the verifier gets
+            greedy = sampling.temperature == 0
+            return [[(token, None if greedy else q[r], 0.0, None)] for r, token in enumerate(tokens.tolist())]
         with sdpa_context():
             if sampling.temperature == 0:
                 tokens, log_q, log_prior = self.candidates(self.draft_forward, x, input_pos, slots, mask, self.width, last)
