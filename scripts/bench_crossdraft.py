@@ -1,14 +1,18 @@
 """A draft with another tokenizer (crossdraft.py) against our plain decode and transformers' assisted generation
 across tokenizers (generate(assistant_model=..., tokenizer=..., assistant_tokenizer=...)), greedy and sampled.
 
-    python scripts/bench_crossdraft.py                       # builds OUT/draft_othertok once, then measures
+    python scripts/bench_crossdraft.py                       # train_tiny.py's OUT/draft_othertok
+    python scripts/bench_crossdraft.py --draft revocab       # builds OUT/draft_revocab once, then measures
     python scripts/bench_crossdraft.py --new_tokens 100 --temperatures 0,0.7 --no_compile
 
-The pair: train_tiny.py's target, and its distilled draft behind a tokenizer of its own, written once to
-OUT/draft_othertok: the draft's sentencepiece pieces with a third of the multi-character ones removed (so many
-strings split differently: "ing" becomes "i" "n" "g") and every id reshuffled, as a tokenizer.json (Metaspace
-BPE), the embedding and output rows moved with their pieces. It is a draft trained with another vocabulary,
-not a draft of another model family: its acceptance is an upper end of what a cross-tokenizer pair gets.
+The pair: train_tiny.py's target and one of two drafts of another tokenizer. "trained" (the default):
+OUT/draft_othertok, trained by train_tiny.py from scratch with a sentencepiece vocabulary of its own (3/4 of
+the target's size, digits kept together) on the same text. "revocab": the distilled draft behind a tokenizer
+written once to OUT/draft_revocab: the draft's sentencepiece pieces with a third of the multi-character ones
+removed (so many strings split differently: "ing" becomes "i" "n" "g") and every id reshuffled, as a
+tokenizer.json (Metaspace BPE), the embedding and output rows moved with their pieces; a draft that imitates
+the target, so its acceptance is an upper end of what a cross-tokenizer pair gets. Neither is a model of
+another family.
 Prompts: the opening lines of held-out standard-library files. Runs take turns (benchlib.time_interleaved).
 """
 import argparse
@@ -31,8 +35,8 @@ from bench_speculative import load_prompts  # noqa: E402
 
 
 def write_other_tokenizer_draft(pair: Path, seed: int = 0) -> Path:
-    """OUT/draft_othertok/model.pth: the trained draft behind a pruned, reshuffled vocabulary (see the docstring)."""
-    out = pair / "draft_othertok"
+    """OUT/draft_revocab/model.pth: the distilled draft behind a pruned, reshuffled vocabulary (see the docstring)."""
+    out = pair / "draft_revocab"
     if (out / "model.pth").is_file():
         return out / "model.pth"
     source = tokenizers_.get_tokenizer(pair / "draft")
@@ -73,6 +77,8 @@ def main(argv=None):
     p.add_argument("--prompt_tokens", type=int, default=96)
     p.add_argument("--new_tokens", type=int, default=100)
     p.add_argument("--k", type=int, default=5)
+    p.add_argument("--draft", choices=["trained", "revocab"], default="trained",
+                   help="trained: OUT/draft_othertok (train_tiny.py); revocab: the distilled draft, re-vocabularied")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no_compile", action="store_true")
@@ -86,7 +92,10 @@ def main(argv=None):
     if not target_pth.is_file():
         sys.exit(f"error: {target_pth} not found: train the pair with "
                  f"python scripts/train_tiny.py --out_dir {args.pair}")
-    draft_pth = write_other_tokenizer_draft(args.pair)
+    draft_pth = write_other_tokenizer_draft(args.pair) if args.draft == "revocab" else \
+        args.pair / "draft_othertok/model.pth"
+    if not draft_pth.is_file():
+        sys.exit(f"error: {draft_pth} not found: train it with python scripts/train_tiny.py --out_dir {args.pair}")
     target, draft = generate.load_model(target_pth), generate.load_model(draft_pth)
     target_tok, draft_tok = tokenizers_.get_tokenizer(target_pth.parent), tokenizers_.get_tokenizer(draft_pth.parent)
     text = "    def parse_args(self, args=None, namespace=None):\n"

@@ -12,10 +12,13 @@ file under --text_dir, in sorted order. Every 20th file is held out; the list go
   3. the draft, distilled from the finished target: KL to the target's next-token distribution plus
      cross-entropy on the text (Hinton et al. 2015); a draft that imitates the target is what makes
      speculative decoding accept its tokens
-  4. evaluation from the written checkpoints: held-out loss of both, and greedy agreement (how often the
+  4. a draft with a tokenizer of its own (3/4 of the vocabulary, digits kept together), trained as a plain
+     language model on the same text: OUT/draft_othertok, for cross-tokenizer speculation (crossdraft.py)
+  5. evaluation from the written checkpoints: held-out loss of all three, and greedy agreement (how often the
      draft's argmax equals the target's along the target's greedy continuation of held-out prompts)
-Each OUT/{target,draft} holds config.json (Hugging Face schema), tokenizer.model (the same file in
-both) and model.pth; OUT/train_stats.json holds the figures. Same --seed, same machine: same weights.
+Each OUT/{target,draft,draft_othertok} holds config.json (Hugging Face schema), tokenizer.model (the same
+file in target and draft) and model.pth; OUT/train_stats.json holds the figures. Same --seed, same machine:
+same weights.
 """
 import argparse
 import io
@@ -127,10 +130,11 @@ def split_heldout(corpus):
     return train, [corpus[i] for i in heldout]
 
 
-def train_tokenizer(train_corpus, vocab_size: int, sample_chars: int) -> bytes:
+def train_tokenizer(train_corpus, vocab_size: int, sample_chars: int, split_digits: bool = True) -> bytes:
     """Sentencepiece BPE that round-trips code exactly: identity normalization, whitespace kept as
     pieces (runs of indentation become single tokens), "\\n" as its own symbol (sentencepiece learns
-    from lines, so newlines only exist as a user-defined symbol), unknown characters as UTF-8 bytes."""
+    from lines, so newlines only exist as a user-defined symbol), unknown characters as UTF-8 bytes;
+    digits one by one unless split_digits is False."""
     total = sum(len(text) for _, text in train_corpus)
     stride = max(1, total // max(sample_chars, 1))  # spread the sample over the whole corpus
     lines, chars = [], 0
@@ -145,7 +149,7 @@ def train_tokenizer(train_corpus, vocab_size: int, sample_chars: int) -> bytes:
             sentence_iterator=iter(lines), model_writer=model, model_type="bpe", vocab_size=vocab_size,
             byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
             remove_extra_whitespaces=False, add_dummy_prefix=False, split_by_whitespace=False,
-            allow_whitespace_only_pieces=True, split_digits=True, user_defined_symbols=["\n"],
+            allow_whitespace_only_pieces=True, split_digits=split_digits, user_defined_symbols=["\n"],
             unk_id=0, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1, num_threads=1,
             shuffle_input_sentence=False, input_sentence_size=0, max_sentence_length=8192, minloglevel=2)
     except RuntimeError as e:
@@ -263,24 +267,27 @@ def load_checkpoint(directory: Path, device) -> Transformer:
 
 
 @torch.no_grad()
-def heldout_eval(target, draft, stream, preset: Preset, device):
-    """Held-out cross-entropy of both models on evenly spread windows, and how often their argmaxes agree
-    on that text (teacher-forced agreement)."""
+def heldout_loss(model, stream, preset: Preset, device):
+    """Held-out cross-entropy on evenly spread windows of the stream, and the model's argmaxes there."""
     T = min(preset.seq_len, len(stream) - 1)
     n = min(preset.eval_windows, (len(stream) - 1) // T)
     starts = torch.linspace(0, len(stream) - T - 1, n).long().tolist()
     chunk = torch.stack([stream[s:s + T + 1] for s in starts]).to(device)
-    losses, agree = {}, []
-    for name, model in (("target", target), ("draft", draft)):
-        total, argmax = 0.0, []
-        for rows in chunk.split(preset.batch_size):
-            use_shape(model, rows.shape[0], T, None)
-            logits = forward_full(model, rows[:, :-1])
-            total += F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
-            argmax.append(logits.argmax(-1))
-        losses[name] = total / (n * T)
-        agree.append(torch.cat(argmax))
-    return losses, (agree[0] == agree[1]).float().mean().item()
+    total, argmax = 0.0, []
+    for rows in chunk.split(preset.batch_size):
+        use_shape(model, rows.shape[0], T, None)
+        logits = forward_full(model, rows[:, :-1])
+        total += F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
+        argmax.append(logits.argmax(-1))
+    return total / (n * T), torch.cat(argmax)
+
+
+def heldout_eval(target, draft, stream, preset: Preset, device):
+    """Held-out cross-entropy of both models, and how often their argmaxes agree on that text (teacher-forced
+    agreement)."""
+    (target_loss, target_argmax), (draft_loss, draft_argmax) = (heldout_loss(model, stream, preset, device)
+                                                                for model in (target, draft))
+    return {"target": target_loss, "draft": draft_loss}, (target_argmax == draft_argmax).float().mean().item()
 
 
 @torch.no_grad()
@@ -386,6 +393,22 @@ def run(settings, preset: Preset) -> dict:
     save_checkpoint(out / "draft", configs["draft"], draft, tokenizer_bytes)
     del target, draft
 
+    # a draft with a tokenizer of its own, for cross-tokenizer speculation (crossdraft.py): 3/4 of the target's
+    # vocabulary, learned from the same text with digits kept together, so many strings split differently; a plain
+    # language model on its own token stream (distillation needs the target's vocabulary)
+    other_bytes = train_tokenizer(train_corpus, preset.vocab_size * 3 // 4, preset.tokenizer_chars, split_digits=False)
+    other_tokenizer = sentencepiece.SentencePieceProcessor(model_proto=other_bytes)
+    other_stream = token_stream(other_tokenizer, train_corpus)
+    configs["draft_othertok"] = ModelArgs(**preset.draft, vocab_size=other_tokenizer.vocab_size(),
+                                          block_size=2 * preset.seq_len, bos_token_id=BOS_ID, eos_token_ids=[EOS_ID])
+    other = build_model(configs["draft_othertok"], settings.seed + 2).to(settings.device)
+    log(f"draft_othertok: {param_count(other) / 1e6:.2f}M parameters, its own {other_tokenizer.vocab_size()}-token "
+        f"vocabulary, {preset.draft_steps} steps")
+    seconds["draft_othertok"] = train(other, other_stream, preset, preset.draft_steps, preset.draft_lr,
+                                      settings.seed + 2, settings, "draft_othertok")
+    save_checkpoint(out / "draft_othertok", configs["draft_othertok"], other, other_bytes)
+    del other
+
     # evaluate what was written, in fp32, as generate.py will load it
     target, draft = load_checkpoint(out / "target", settings.device), load_checkpoint(out / "draft", settings.device)
     losses, forced_agreement = heldout_eval(target, draft, heldout_stream, preset, settings.device)
@@ -400,20 +423,26 @@ def run(settings, preset: Preset) -> dict:
         "agreement_prompts": preset.prompts, "agreement_new_tokens": preset.new_tokens,
         "preset_settings": asdict(preset),
     }
-    for name, model in (("target", target), ("draft", draft)):
+    other = load_checkpoint(out / "draft_othertok", settings.device)
+    losses["draft_othertok"] = heldout_loss(other, token_stream(other_tokenizer, heldout_corpus), preset,
+                                            settings.device)[0]
+    stats["draft_othertok_vocab_size"] = other_tokenizer.vocab_size()
+    stats["draft_othertok_uniform_loss"] = math.log(other_tokenizer.vocab_size())
+    for name, model in (("target", target), ("draft", draft), ("draft_othertok", other)):
         stats[name] = {"params": param_count(model), "heldout_loss": losses[name],
                        "heldout_ppl": math.exp(losses[name]), "train_seconds": seconds[name],
                        "config": configs[name].to_hf_config()}
     stats["seconds"] = time.perf_counter() - t_start
     write_atomically(out / "train_stats.json", lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
 
-    for name in ("target", "draft"):
+    for name in ("target", "draft", "draft_othertok"):
         s = stats[name]
         log(f"{name}: {s['params'] / 1e6:.2f}M params, held-out loss {s['heldout_loss']:.3f} "
-            f"(ppl {s['heldout_ppl']:.1f}; uniform {stats['uniform_loss']:.2f}), trained {s['train_seconds']:.0f}s")
+            f"(ppl {s['heldout_ppl']:.1f}; uniform {math.log(s['config']['vocab_size']):.2f}), "
+            f"trained {s['train_seconds']:.0f}s")
     log(f"greedy agreement {agreement:.1%} ({preset.prompts} held-out prompts x {preset.new_tokens} target "
         f"greedy tokens); teacher-forced agreement on held-out text {forced_agreement:.1%}")
-    log(f"wrote {out}/target, {out}/draft, {out}/heldout_files.txt, {out}/train_stats.json "
+    log(f"wrote {out}/target, {out}/draft, {out}/draft_othertok, {out}/heldout_files.txt, {out}/train_stats.json "
         f"in {stats['seconds']:.0f}s")
     return stats
 

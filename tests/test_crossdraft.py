@@ -23,7 +23,7 @@ import generate
 import tokenizer
 from decode import Engine, Sampling, logits_to_probs
 from model import ModelArgs, Transformer
-from helpers import chi_square_pvalue, plain_greedy, speculative, tokens
+from helpers import chi_square_pvalue, plain_greedy, run, speculative, tokens
 
 PROMPTS = ["def main(", "  two leading spaces and\ttabs", "café déjà 日本語 🙂 x", "total = 12345 + 678 * 90"]
 
@@ -204,6 +204,26 @@ def test_sampling_through_generate(random_target, noisy_draft):
     """At temperature > 0 the run goes through TLI and emits target ids that decode."""
     got = speculative(random_target, noisy_draft, 3, "--temperature", "0.8", "--ignore_eos", n=25)
     assert len(tokens(got)) == 25 and max(tokens(got)) < 512 and got["speculative"] == "draft-cross-tokenizer"
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_trained_draft_with_its_own_tokenizer(trained_pair, k):
+    """train_tiny.py's draft_othertok (its own sentencepiece vocabulary, digits kept together): the target's greedy
+    output on every prompt (unicode, leading spaces, digits), EOS left on (the trained target emits it) or ignored
+    up to an exact max-token boundary; a sampled run emits target ids."""
+    target, draft = trained_pair / "target/model.pth", trained_pair / "draft_othertok/model.pth"
+    accepted = 0
+    for prompt in PROMPTS + ["x = 1000000 * 2500\n"]:
+        want = plain_greedy(target, prompt)
+        got = speculative(target, draft, k, "--ignore_eos", prompt=prompt, n=23)
+        assert tokens(got) == want[:23], prompt
+        assert got["speculative"] == "draft-cross-tokenizer"
+        accepted += sum(got["accept_counts"][1:])
+        with_eos = tokens(run(target, prompt=prompt, n=40))
+        assert tokens(speculative(target, draft, k, prompt=prompt, n=40)) == with_eos
+    assert accepted > 0  # the trained draft's text is accepted in target tokens
+    sampled = speculative(target, draft, k, "--temperature", "0.8", "--ignore_eos", n=20)
+    assert len(tokens(sampled)) == 20 and max(tokens(sampled)) < 512
 
 
 def test_clear_errors(random_target, byte_level_draft, tmp_path):

@@ -19,8 +19,23 @@ def test_pair_layout_and_stats(trained_pair):
         # training did something: held-out loss well under a uniform guess
         assert stats[name]["heldout_loss"] < 0.8 * stats["uniform_loss"]
     assert stats["draft"]["params"] < stats["target"]["params"]
+    other = trained_pair / "draft_othertok"
+    assert {"config.json", "tokenizer.model", "model.pth"} <= {p.name for p in other.iterdir()}
+    assert stats["draft_othertok"]["heldout_loss"] < 0.8 * stats["draft_othertok_uniform_loss"]
     heldout = (trained_pair / "heldout_files.txt").read_text().split()
     assert heldout and all(p.endswith(".py") for p in heldout)
+
+
+def test_draft_with_its_own_tokenizer(trained_pair):
+    """draft_othertok has a vocabulary of its own: another size, and other ids for the same text (digits kept
+    together, where the target splits them one by one)."""
+    from tokenizer import get_tokenizer
+    target, other = get_tokenizer(trained_pair / "target"), get_tokenizer(trained_pair / "draft_othertok")
+    assert other.vocab_size != target.vocab_size
+    assert json.loads((trained_pair / "draft_othertok/config.json").read_text())["vocab_size"] == other.vocab_size
+    text = "total = 12345\n"
+    assert other.encode(text) != target.encode(text)
+    assert other.decode(other.encode(text)) == target.decode(target.encode(text)) == text
 
 
 def test_checkpoints_load_in_generate(trained_pair):
@@ -33,7 +48,7 @@ def test_checkpoints_load_in_generate(trained_pair):
 def test_deterministic_with_seed(trained_pair, tmp_path):
     import train_tiny  # importable: the trained_pair fixture put scripts/ on the path
     train_tiny.main(["--preset", "test", "--out_dir", str(tmp_path), "--seed", "0"])
-    for name in ("target", "draft"):
+    for name in ("target", "draft", "draft_othertok"):
         a = torch.load(trained_pair / name / "model.pth", weights_only=True)
         b = torch.load(tmp_path / name / "model.pth", weights_only=True)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
