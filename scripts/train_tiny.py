@@ -1,7 +1,7 @@
 """Train the offline default model pair: a small Llama *target* and a much cheaper *draft* distilled from it.
 
-    python scripts/train_tiny.py                       # -> checkpoints/tiny/{target,draft}, ~3-4 min on 2 cores
-    python scripts/train_tiny.py --preset test         # ~10 s; a small but really trained pair (tests, CI)
+    python scripts/train_tiny.py                       # -> checkpoints/tiny/{target,draft,draft_othertok}, ~5-8 min
+    python scripts/train_tiny.py --preset test         # ~15 s; a small but really trained set (tests, CI)
     python scripts/train_tiny.py --text_dir DIR --out_dir OUT --seed 1
 
 Text: this Python's standard-library sources (no test/, idlelib, site-packages), or every UTF-8 text
@@ -329,7 +329,7 @@ def save_checkpoint(directory: Path, args: ModelArgs, model: Transformer, tokeni
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                        help="default: the real pair (~4 min on 2 idle CPU cores); test: ~10 s, for tests")
+                        help="default: the real pair (~5-8 min on 2 CPU cores); test: ~15 s, for tests")
     parser.add_argument("--out_dir", type=Path, default=Path("checkpoints/tiny"),
                         help="writes OUT/target, OUT/draft, OUT/heldout_files.txt, OUT/train_stats.json")
     parser.add_argument("--text_dir", default=None,
