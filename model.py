@@ -472,9 +472,9 @@ class Transformer(nn.Module):
     def use_fast_weight_layout(self):
         """Store each linear weight in the memory layout its device multiplies fastest (column_major_is_faster):
         same shape and values, other strides; and give float32 CPU linears a oneDNN-packed copy for products of
-        several rows where that measures faster (Linear, onednn_is_faster). A runtime choice, made before the first forward: state_dict keys
-        and shapes are unchanged, and an output layer tied to the embeddings still shares its tensor (a lookup
-        reads one row either way). Quantized layers keep the layout of their kernels."""
+        several rows where that measures faster (Linear, onednn_is_faster). A runtime choice, made before the
+        first forward: state_dict keys and shapes are unchanged, and an output layer tied to the embeddings still
+        shares its tensor (a lookup reads one row either way). Quantized layers keep the layout of their kernels."""
         for module in self.modules():
             weight = module.weight if isinstance(module, nn.Linear) else None
             if weight is not None and column_major_is_faster(weight) and weight.stride() != (1, weight.shape[0]):

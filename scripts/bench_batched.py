@@ -131,7 +131,8 @@ def main(argv=None):
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--padding", action="store_true",
                    help="only compare the two cache layouts for rows of different lengths (per-row positions against "
-                        "left padding with a mask), plain greedy decode; writes --json (default bench_results/padding.json)")
+                        "left padding with a mask), plain greedy decode; writes --json "
+                        "(default bench_results/padding.json)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=None, help="default bench_results/batched.json")
     args = p.parse_args(argv)
@@ -154,7 +155,8 @@ def main(argv=None):
         print()
         benchlib.print_table(rows, ["batch", "layout", "tokens_per_sec", "vs_per_row", "same_as_generate"])
         benchlib.write_json(args.json or ROOT / "bench_results/padding.json",
-                            {"machine": benchlib.machine(), "command": sys.argv, "prompt_lengths": list(map(len, prompts)),
+                            {"machine": benchlib.machine(), "command": sys.argv,
+                             "prompt_lengths": list(map(len, prompts)),
                              "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
         return
     hf_target = None if args.no_transformers else benchlib.hf_model(args.pair / "target")
@@ -191,9 +193,10 @@ def main(argv=None):
                "fell_back_to_plain", "same_as_plain"]
     print()
     benchlib.print_table(rows, columns)
-    benchlib.write_json(args.json or ROOT / "bench_results/batched.json", {"machine": benchlib.machine(), "command": sys.argv,
-                                    "prompt_files": [str(f) for f in files], "prompt_lengths": list(map(len, prompts)),
-                                    "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+    benchlib.write_json(args.json or ROOT / "bench_results/batched.json",
+                        {"machine": benchlib.machine(), "command": sys.argv, "prompt_files": [str(f) for f in files],
+                         "prompt_lengths": list(map(len, prompts)),
+                         "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
 
 if __name__ == "__main__":
