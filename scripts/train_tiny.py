@@ -1,4 +1,4 @@
-"""Train the offline models: a small Llama *target*, a cheaper *draft* distilled from it, a draft with its own vocabulary.
+"""Train the offline models: a small Llama *target*, a *draft* distilled from it, and a draft with its own vocabulary.
 
     python scripts/train_tiny.py                       # -> checkpoints/tiny/{target,draft,draft_othertok}, ~5-8 min
     python scripts/train_tiny.py --preset test         # ~15 s; a small but really trained set (tests, CI)
