@@ -116,16 +116,17 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     """Compiled decode (one static shape, [B, 1]), verification forward (one static shape per tree size) and,
     with compile_prefill, prefill (dynamic in the prompt length, so prompts of any length reuse it).
 
-    whole_graph=False (the default on CPU): regional compilation. One TransformerBlock is compiled and the
-    same compiled code runs every layer: the layer's weights and KV cache are inputs of the graph, not
-    constants, so 30 layers cost the compile time of one, and every model of the same shape (a target and a
-    draft) shares it. The embedding lookup and the loop over layers stay in Python; the final norm, output
-    layer and sampling of a decode step are one more small graph.
-    whole_graph=True (the default on CUDA): the whole model in one graph, replayed as one CUDA graph on GPU
-    (mode="reduce-overhead"). On CPU inductor's freezing then folds the weights into the graph as constants
-    and pre-packs them for the matmul kernels; it applies only to graphs traced without autograd, which is
-    why every generation runs under torch.no_grad(), and such graphs are specialized on the model object, so
-    a target and a draft of the same shape get graphs of their own (tests/test_decode.py checks both modes).
+    whole_graph=False (the CPU default for models deeper than WHOLE_GRAPH_MAX_LAYERS): regional compilation. One
+    TransformerBlock is compiled and the same compiled code runs every layer: the layer's weights and KV cache are
+    inputs of the graph, not constants, so 30 layers cost the compile time of one, and every model of the same
+    shape (a target and a draft) shares it. The embedding lookup and the loop over layers stay in Python; the
+    final norm, output layer and sampling of a decode step are one more small graph.
+    whole_graph=True (the default on CUDA, and on CPU for shallower models): the whole model in one graph,
+    replayed as one CUDA graph on GPU (mode="reduce-overhead"). On CPU inductor's freezing then folds the
+    weights into the graph as constants and pre-packs them for the matmul kernels; it applies only to graphs
+    traced without autograd, which is why every generation runs under torch.no_grad(), and such graphs are
+    specialized on the model object, so a target and a draft of the same shape get graphs of their own
+    (tests/test_decode.py checks both modes).
     The price is compile time: a 30-layer model takes a minute or more on a small CPU.
     autotune=True (implies the whole graph): mode="max-autotune". On CPU inductor then times its own C++ GEMM
     templates (weights frozen and pre-packed into its micro-kernels' blocked layout) against ATen's for every
@@ -147,7 +148,7 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     # one shape per graph: decode [B, 1], each tree size of the target and the draft, a shared block for all
     # models of one width; past the default of 8 graphs per function a fullgraph compile would raise
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    whole_graph, mode = whole_graph_mode(device, whole_graph, autotune)
+    whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, model.args.n_layer)
     if not whole_graph:
         return compile_regions(model, compile_prefill)
     if device == "cpu":
@@ -169,12 +170,20 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     return engine
 
 
-def whole_graph_mode(device: str, whole_graph: Optional[bool] = None, autotune: bool = False):
+# On CPU, models of at most this many layers compile as one whole graph by default: the regional graphs' per-layer
+# calls cost more than such a model's compute per token (a 2-layer draft's one-token step 0.6 against 1.0 ms, the
+# 5-layer tiny target decodes 1.06-1.3x faster whole), and their whole graph compiles in seconds (BENCHMARKS.md).
+WHOLE_GRAPH_MAX_LAYERS = 8
+
+
+def whole_graph_mode(device: str, whole_graph: Optional[bool] = None, autotune: bool = False, n_layer: int = 0):
     """(whether compile_engine compiles the whole model, the torch.compile mode of its graphs): autotune implies
-    the whole graph; None chooses the device's default (regional on CPU, CUDA graphs on GPU)."""
+    the whole graph; None chooses the default for the device and model depth (CUDA graphs on GPU; on CPU the
+    whole graph for models of up to WHOLE_GRAPH_MAX_LAYERS layers, regional compilation for deeper ones)."""
     cuda = device.startswith("cuda")
-    whole_graph = autotune or (cuda if whole_graph is None else whole_graph)
-    return whole_graph, "max-autotune" if autotune else "reduce-overhead" if cuda else None
+    if whole_graph is None:
+        whole_graph = cuda or 0 < n_layer <= WHOLE_GRAPH_MAX_LAYERS
+    return autotune or whole_graph, "max-autotune" if autotune else "reduce-overhead" if cuda else None
 
 
 def compile_regions(model: Transformer, compile_prefill: bool) -> Engine:

@@ -487,7 +487,7 @@ def summarize(args, model, device, precision, prompt_ids, samples, stats, compil
     result = {
         "device": device, "precision": {v: k for k, v in PRECISIONS.items()}[precision],
         "compile": bool(args.compile), "speculative": drafter.kind if drafter else "none",
-        "compile_mode": compile_mode(args, device),
+        "compile_mode": compile_mode(args, device, model.args.n_layer),
         "quantization": (model.quantization or {}).get("mode", "none"),
         "world_size": world_size, "batch_size": args.batch_size,
         "prompt_tokens": prompt_ids, "samples": samples, "tokens_per_sec": tokens_per_sec,
@@ -504,13 +504,14 @@ def summarize(args, model, device, precision, prompt_ids, samples, stats, compil
     return result
 
 
-def compile_mode(args, device: str) -> str:
-    """How --compile compiled (decode.compile_engine): none, regional, whole_graph or autotune."""
+def compile_mode(args, device: str, n_layer: int) -> str:
+    """How --compile compiled the target (decode.compile_engine): none, regional, whole_graph or autotune."""
     if not args.compile:
         return "none"
     if args.compile_autotune:
         return "autotune"
-    return "whole_graph" if whole_graph_mode(device, args.compile_whole_graph or None)[0] else "regional"
+    whole_graph = whole_graph_mode(device, args.compile_whole_graph or None, n_layer=n_layer)[0]
+    return "whole_graph" if whole_graph else "regional"
 
 
 def cli(argv=None) -> int:

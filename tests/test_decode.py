@@ -40,9 +40,26 @@ def test_regional_compilation_compiles_one_block_for_all_layers():
     counters.clear()
     prompt = torch.tensor([1, 2, 3, 4])
     for model in models:
-        compiled = greedy(decode.compile_engine(model, "cpu", compile_prefill=False), prompt)
+        compiled = greedy(decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=False), prompt)
         assert compiled == greedy(decode.Engine(model), prompt)
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_default_compile_mode_follows_depth():
+    """On CPU shallow models (tiny targets, drafts) compile whole, deep ones regionally; CUDA always whole."""
+    limit = decode.WHOLE_GRAPH_MAX_LAYERS
+    assert decode.whole_graph_mode("cpu", None, n_layer=limit) == (True, None)
+    assert decode.whole_graph_mode("cpu", None, n_layer=limit + 1) == (False, None)
+    assert decode.whole_graph_mode("cpu", True, n_layer=limit + 1) == (True, None)
+    assert decode.whole_graph_mode("cpu", False, n_layer=2) == (False, None)
+    assert decode.whole_graph_mode("cpu", None, n_layer=40, autotune=True) == (True, "max-autotune")
+    assert decode.whole_graph_mode("cuda", None, n_layer=40) == (True, "reduce-overhead")
+    deep = Transformer(ModelArgs(dim=32, n_layer=limit + 1, n_head=2, vocab_size=64, block_size=32))
+    shallow = Transformer(ModelArgs(dim=32, n_layer=2, n_head=2, vocab_size=64, block_size=32))
+    # a whole-graph engine's forward is the compiled model; a regional one runs the model with the compiled block
+    whole = torch._dynamo.eval_frame.OptimizedModule
+    assert not isinstance(decode.compile_engine(deep, "cpu", False).forward, whole)
+    assert isinstance(decode.compile_engine(shallow, "cpu", False).forward, whole)
 
 
 @MODES
