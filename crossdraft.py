@@ -16,7 +16,7 @@ space and <0xNN> as a byte; special tokens have none). Each step:
         from its warped distribution restricted to the intersection I (draft tokens whose bytes are exactly one
         target token's bytes) and renormalized; each draft token maps to one target token, and that distribution,
         mapped to the target's vocabulary, is the proposal q of the standard rejection rule (proof in
-        CrossTokenizerSpeculator.proposal).
+        restrict_to_shared).
   3. keep the draft in step: the accepted text is re-encoded with the draft's tokenizer from a few tokens back
      (a look-behind: re-tokenization does not round-trip at boundaries, e.g. " in" + "put" is " input"), the new
      token stream is compared with what the draft's cache holds, and the cache is rewound to the longest common
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, compile_engine, sample_from, sdpa_context
+from decode import Engine, Sampling, compile_engine, logits_to_probs, sample_from, sdpa_context, whole_graph_mode
 from model import UserError
 from speculate import MAX_TREE_NODES, Stats, Tree, verify_step
 
@@ -100,6 +100,7 @@ class CrossTokenizerSpeculator:
         self.in_both[self.shared_draft] = 1.0
         self.to_target = dict(pairs)
         self.target_size = target_vocab_size
+        self.tli_step, self.tli_forward = tli_step, draft_model  # a sampled draft step; compile() compiles it
 
     def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None,
                 autotune: bool = False):
@@ -107,6 +108,11 @@ class CrossTokenizerSpeculator:
         then gets two shapes: chains are padded to K + 1 or, when re-tokenization made them longer, `nodes` + 1
         target tokens (on a CPU a verify forward costs more for every token it carries, padding included)."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
+        whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, self.draft_model.args.n_layer)
+        if whole_graph:  # the sampled draft step (forward, warping, TLI's restriction and the draw) as one graph
+            self.tli_step = torch.compile(tli_step, mode=mode, fullgraph=True, dynamic=False)
+        else:  # the draft's regional forward, then the rest
+            self.tli_forward = self.engine.forward
         if compile_prefill:
             self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
         self.compiled = True
@@ -188,52 +194,28 @@ class CrossTokenizerSpeculator:
         token, drafted = self.pending[-1], []
         self.pending = []
         for _ in range(self.depth):
-            x = torch.tensor([[token]], device=device)
-            with sdpa_context():  # the draft's one-token decode graph: its argmax, and q, its warped distribution
-                argmax, q = self.engine.decode_one_token(self.draft_model, x,
-                                                         torch.tensor([[len(self.cached)]], device=device), sampling)
+            x, input_pos = torch.tensor([[token]], device=device), torch.tensor([[len(self.cached)]], device=device)
+            with sdpa_context():
+                if sampling.temperature == 0:  # the draft's one-token decode graph: its argmax
+                    drawn, _ = self.engine.decode_one_token(self.draft_model, x, input_pos, sampling)
+                else:  # a draw from q_I and q_T, the proposal the verifier gets (tli_step)
+                    drawn, q_target = self.tli_step(self.tli_forward, x, input_pos, sampling, self.in_both,
+                                                    self.shared_draft, self.shared_target, self.target_size)
             self.cached.append(token)
             forwards += 1
+            token = int(drawn[0])
             if sampling.temperature == 0:
-                token = int(argmax[0])
                 if self.draft_vocab.bytes[token] is None:  # a special token ends what the draft can say as text
                     break
             else:
-                proposal = self.proposal(q[0])
-                if proposal is None:  # no mass on tokens both vocabularies share
+                if token < 0:  # q put no mass on tokens both vocabularies share
                     break
-                q_draft, q_target = proposal
-                token = int(sample_from(q_draft))
-                tree.add(self.to_target[token], len(tree.tokens) - 1, q_target)
+                tree.add(self.to_target[token], len(tree.tokens) - 1, q_target[0].clone())  # kept past the next call
             drafted.append(token)
         if sampling.temperature == 0:  # the drafted text, re-tokenized for the target
             for t in self.target_vocab.encode(self.draft_vocab.text(drafted))[:limit]:
                 tree.add(t, len(tree.tokens) - 1)
         return tree, forwards
-
-    def proposal(self, q: Tensor):
-        """TLI's proposal: q_I = q, the draft's warped distribution (same temperature / top-k / top-p as the
-        target's: decode.logits_to_probs), restricted to I and renormalized, over the draft's vocabulary and pushed
-        to the target's (q_T(y) = sum of q_I(d) over the d in I that map to y); None where q puts no mass on I.
-
-        Why it is lossless: the drafted draft token d is drawn from q_I and the target sees y = map(d), so given
-        everything that decided the chain so far (the accepted text, the draft's own earlier draws), y is
-        distributed exactly as q_T. The verifier (speculate.verify) accepts y with probability min(1, p(y) / q_T(y))
-        and otherwise samples from norm(max(0, p - q_T)); for ANY proposal distribution q_T over the target's
-        vocabulary with y ~ q_T, this outputs exactly p (Leviathan et al. 2023, appendix A.1; Chen et al. 2023),
-        and p depends only on the target's tokens, so the output is target-distributed whatever the draft's
-        hidden state holds. Two conditions make it so, and both are checked here: q_T must be the distribution y
-        was really drawn from (renormalized over I: handing the verifier q restricted to I but not renormalized
-        overstates p/q and accepts too often; the tests' broken variant does that and is rejected), and every
-        drawn d must have a target token (the draft never samples outside I)."""
-        q = q * self.in_both[: q.shape[-1]]
-        mass = q.sum()
-        if not mass > 0:
-            return None
-        q = q / mass
-        q_target = torch.zeros(self.target_size, device=q.device).index_add_(0, self.shared_target,
-                                                                              q[self.shared_draft])
-        return q, q_target
 
     def sync(self, text: bytes):
         """Bring the draft's token stream to the generated text `text` (the target's accepted bytes): re-encode
@@ -250,6 +232,38 @@ class CrossTokenizerSpeculator:
             common += 1
         common = max(0, min(common, len(stream) - 1))
         self.cached, self.pending = self.cached[:common], stream[common:]
+
+
+def restrict_to_shared(q: Tensor, in_both: Tensor, shared_draft: Tensor, shared_target: Tensor, target_size: int):
+    """TLI's proposal: q_I = q, the draft's warped distribution [B, V_draft] (same temperature / top-k / top-p as
+    the target's: decode.logits_to_probs), restricted to I and renormalized, and q_T [B, V_target], q_I pushed to
+    the target's vocabulary (q_T(y) = sum of q_I(d) over the d in I that map to y); and whether q put any mass on
+    I [B] (where it put none, q_I is 0 and the step drafts nothing).
+
+    Why it is lossless: the drafted draft token d is drawn from q_I and the target sees y = map(d), so given
+    everything that decided the chain so far (the accepted text, the draft's own earlier draws), y is
+    distributed exactly as q_T. The verifier (speculate.verify) accepts y with probability min(1, p(y) / q_T(y))
+    and otherwise samples from norm(max(0, p - q_T)); for ANY proposal distribution q_T over the target's
+    vocabulary with y ~ q_T, this outputs exactly p (Leviathan et al. 2023, appendix A.1; Chen et al. 2023),
+    and p depends only on the target's tokens, so the output is target-distributed whatever the draft's
+    hidden state holds. Two conditions make it so, and both hold here: q_T must be the distribution y was
+    really drawn from (renormalized over I: handing the verifier q restricted to I but not renormalized
+    overstates p/q and accepts too often; the tests' broken variant does that and is rejected), and every
+    drawn d must have a target token (q_I is 0 outside I, so the draft never samples outside it)."""
+    q = q * in_both[: q.shape[-1]]  # [B, V_draft]
+    mass = q.sum(-1, keepdim=True)  # [B, 1]
+    q_draft = q / mass.clamp_min(torch.finfo(q.dtype).tiny)
+    q_target = q.new_zeros(q.shape[0], target_size).index_add_(1, shared_target, q_draft[:, shared_draft])
+    return q_draft, q_target, mass[:, 0] > 0
+
+
+def tli_step(forward, x: Tensor, input_pos: Tensor, sampling: Sampling, in_both: Tensor, shared_draft: Tensor,
+             shared_target: Tensor, target_size: int):
+    """One sampled draft step of TLI: the draft's forward over x [B, 1], its warped distribution q, a draft token
+    drawn from q_I (-1 in a row where q has no mass on I) [B], and q_T [B, V_target] (restrict_to_shared)."""
+    q = logits_to_probs(forward(x, input_pos)[:, -1], sampling)  # [B, V_draft]
+    q_draft, q_target, has_mass = restrict_to_shared(q, in_both, shared_draft, shared_target, target_size)
+    return torch.where(has_mass, sample_from(q_draft), -1), q_target
 
 
 def verify_chain(target: Engine, tree: Tree, pos: int, sampling: Sampling):

@@ -632,8 +632,10 @@ class DraftModelSpeculator(TreeSpeculator):
         if self.width == 1 and x.shape[1] == 1:  # a chain step (at consecutive slots: the causal mask is its tree's):
             with sdpa_context():  # the draft's one-token decode graph, head and warping and drawing compiled in
                 tokens, q = self.engine.decode_one_token(self.draft_model, x, input_pos, sampling)
-            # its token is the argmax at temperature 0, else a draw from q (decode.sample_from), which the verifier gets
+            # its token is the argmax at temperature 0, else a draw from q (decode.sample_from), which the verifier gets;
+            # q is copied out of the graph's output (a CUDA graph's next replay overwrites its outputs)
             greedy = sampling.temperature == 0
+            q = None if greedy else q.clone()
             return [[(token, None if greedy else q[r], 0.0, None)] for r, token in enumerate(tokens.tolist())]
         with sdpa_context():
             if sampling.temperature == 0:

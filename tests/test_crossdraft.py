@@ -162,6 +162,33 @@ def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
     assert set(sizes) == {5}, sizes
 
 
+
+@pytest.mark.parametrize("whole_graph", [False, True], ids=["regional", "whole-graph"])
+def test_compiled_tli_step_gives_the_eager_proposal(random_target, noisy_draft, whole_graph):
+    """The sampled draft step compiled (the whole step as one graph, or the regional forward then the rest) hands
+    the verifier the same q_T as the eager step, draws only tokens of the intersection, and q_T is a distribution
+    over the target's vocabulary."""
+    target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
+    draft, eager_draft = generate.load_model(noisy_draft), generate.load_model(noisy_draft)
+    vocab = generate.load_model(random_target).args.vocab_size
+    drafters = [crossdraft.make_drafter(model, draft_tok, target_tok, vocab, 3, None, 0, 1, False)
+                for model in (draft, eager_draft)]
+    drafters[0].compile("cpu", whole_graph=whole_graph)
+    sampling = Sampling(0.8, top_k=50)
+    ids = torch.tensor([draft_tok.encode_prompt("def main(x):")])
+    for d in drafters:
+        d.draft_model.setup_caches(1, 64)
+        d.draft_model(ids[:, :-1], torch.arange(ids.shape[1] - 1).view(1, -1))
+    x, pos = ids[:, -1:], torch.tensor([[ids.shape[1] - 1]])
+    with torch.no_grad():
+        got = [d.tli_step(d.tli_forward, x, pos, sampling, d.in_both, d.shared_draft, d.shared_target, vocab)
+               for d in drafters for _ in range(20)]
+    (_, want), drawn = got[-1], {int(token[0]) for token, _ in got}
+    for _, q_target in got[:20]:
+        torch.testing.assert_close(q_target, want, atol=1e-5, rtol=1e-4)
+    assert drawn <= set(drafters[0].to_target) and len(drawn) > 1
+    torch.testing.assert_close(want.sum(-1), torch.ones(1))
+
 def test_exactly_max_new_tokens(random_target, noisy_draft):
     want = plain_greedy(random_target)
     for n in (1, 2, 3, 4, 9, 10, 17):
@@ -373,15 +400,15 @@ def speculative_draws(root: Path, sampling: Sampling, n: int, seed: int = 0):
     return torch.tensor(draws), accept_counts
 
 
-def unnormalized_proposal(self, q):
+def unnormalized_proposal(q, in_both, shared_draft, shared_target, target_size):
     """Broken: the draft samples from q restricted to the intersection and renormalized, but the verifier is
     handed the restricted q without the renormalization."""
-    q_draft, q_target = real_proposal(self, q)
-    mass = (q * self.in_both[: q.shape[-1]]).sum()
-    return q_draft, q_target * mass
+    q_draft, q_target, has_mass = real_proposal(q, in_both, shared_draft, shared_target, target_size)
+    mass = (q * in_both[: q.shape[-1]]).sum(-1, keepdim=True)
+    return q_draft, q_target * mass, has_mass
 
 
-real_proposal = crossdraft.CrossTokenizerSpeculator.proposal
+real_proposal = crossdraft.restrict_to_shared
 LOSSLESS_CASES = {"temperature 1": (Sampling(1.0), False, DRAWS),
                   "temperature 0.6, top-k, top-p": (Sampling(0.6, top_k=8, top_p=0.95), False, DRAWS),
                   # far from lossless: fewer draws reject it
@@ -395,7 +422,7 @@ def test_sampling_is_lossless(case, monkeypatch, tmp_path_factory):
     target_tok, draft_tok, _, _ = tiny_pair(root)
     assert target_tok.encode_continuation("ab ba aab") != [] and draft_tok.vocab_size != target_tok.vocab_size
     if broken:
-        monkeypatch.setattr(crossdraft.CrossTokenizerSpeculator, "proposal", unnormalized_proposal)
+        monkeypatch.setattr(crossdraft, "restrict_to_shared", unnormalized_proposal)
     draws, accept_counts = speculative_draws(root, sampling, n)
     p1, joint = exact_target(root, sampling)
     size = len(p1)
