@@ -155,8 +155,9 @@ def parse_args(argv=None):
     p.add_argument("--compile_prefill", action="store_true", help="with --compile: a dynamic-shape prefill graph")
     p.add_argument("--compile_whole_graph", action="store_true",
                    help="with --compile on CPU: the whole model as one frozen graph (minutes to compile for a deep "
-                        "model) instead of one compiled block reused by every layer (the CPU default; CUDA always "
-                        "compiles the whole graph, replayed as a CUDA graph)")
+                        "model) instead of one compiled block reused by every layer (the CPU default above "
+                        "decode.WHOLE_GRAPH_MAX_LAYERS layers; CUDA always compiles the whole graph, replayed as a "
+                        "CUDA graph)")
     p.add_argument("--compile_autotune", action="store_true",
                    help="with --compile: the whole graph, with every matmul shape timed against inductor's own "
                         "kernels (C++ GEMM templates on CPU) and the fastest kept: the fastest decode, minutes to "

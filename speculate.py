@@ -530,9 +530,10 @@ class DraftModelSpeculator(TreeSpeculator):
 
     def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None,
                 autotune: bool = False):
-        """Static graphs for the per-step forwards (decode.compile_engine: by default one compiled block serving
-        every layer on CPU, the whole model as CUDA graphs on GPU); the draft's prefill and its catch-up on
-        looked-up tokens (once per generation, or rare) stay eager unless compile_prefill."""
+        """Static graphs for the per-step forwards (decode.compile_engine: by default on CPU the whole draft as one
+        graph when it is shallow, else one compiled block serving every layer; CUDA graphs on GPU); the draft's
+        prefill and its catch-up on looked-up tokens (once per generation, or rare) stay eager unless
+        compile_prefill."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
         whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, self.draft_model.args.n_layer)
         if whole_graph:
@@ -632,8 +633,8 @@ class DraftModelSpeculator(TreeSpeculator):
         if self.width == 1 and x.shape[1] == 1:  # a chain step (at consecutive slots: the causal mask is its tree's):
             with sdpa_context():  # the draft's one-token decode graph, head and warping and drawing compiled in
                 tokens, q = self.engine.decode_one_token(self.draft_model, x, input_pos, sampling)
-            # its token is the argmax at temperature 0, else a draw from q (decode.sample_from), which the verifier gets;
-            # q is copied out of the graph's output (a CUDA graph's next replay overwrites its outputs)
+            # its token is the argmax at temperature 0, else a draw from q (decode.sample_from), which the verifier
+            # gets; q is copied out of the graph's output (a CUDA graph's next replay overwrites its outputs)
             greedy = sampling.temperature == 0
             q = None if greedy else q.clone()
             return [[(token, None if greedy else q[r], 0.0, None)] for r, token in enumerate(tokens.tolist())]

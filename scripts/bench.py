@@ -111,7 +111,8 @@ def main(argv=None):
     p.add_argument("--skip_large", action="store_true")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--modes", default="eager,regional,autotune",
-                   help="comma-separated: eager, regional (the --compile default on CPU), whole (--compile_whole_graph), "
+                   help="comma-separated: eager, regional (the CPU --compile default for deep models), whole "
+                        "(--compile_whole_graph, and the default for shallow ones), "
                         "autotune (--compile_autotune)")
     p.add_argument("--prompt_tokens", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=128)

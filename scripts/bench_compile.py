@@ -13,10 +13,11 @@ filled (FX graph cache and AOTAutograd cache hits). Columns:
   tok/s         best of --repeats greedy generate() runs of --new_tokens tokens after a 16-token prompt
   same          the greedy tokens equal the eager model's
 Variants: eager; "whole graph" (compile_engine(whole_graph=True): one graph, inductor freezing on CPU);
-"regional" (the CPU default: one compiled block for every layer); "autotune" (generate.py --compile_autotune:
-the whole graph with every matmul shape timed against inductor's C++ GEMM templates); the "row-major" variants keep every weight
-in its checkpoint layout (Transformer.use_fast_weight_layout skipped), which is how whole-graph compilation
-ran before regional compilation and the per-device layout were added.
+"regional" (the CPU default for models of more than 8 layers: one compiled block for every layer); "autotune"
+(generate.py --compile_autotune: the whole graph with every matmul shape timed against inductor's C++ GEMM
+templates); the "row-major" variants keep every weight in its checkpoint layout
+(Transformer.use_fast_weight_layout skipped), which is how whole-graph compilation ran before regional
+compilation and the per-device layout were added.
 """
 import argparse
 import json
