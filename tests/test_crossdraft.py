@@ -153,10 +153,18 @@ def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
         sizes.append(len(trees[0].tokens))
         return real(target, trees, *args)
 
+    catch_ups, real_draft = [], crossdraft.CrossTokenizerSpeculator.draft
+
+    def draft(self, *args):
+        catch_ups.append(len(self.pending) - 1)
+        return real_draft(self, *args)
+
     monkeypatch.setattr(crossdraft, "verify_step", verify_step)
+    monkeypatch.setattr(crossdraft.CrossTokenizerSpeculator, "draft", draft)
     got = speculative(random_target, noisy_draft, 4, "--compile", "--ignore_eos")
     assert tokens(got) == plain_greedy(random_target)[:29] and sum(got["accept_counts"][1:]) > 0
     assert set(sizes) <= {5, 9} and 5 in sizes, sizes
+    assert any(0 < n <= crossdraft.CATCH_UP_STEPS for n in catch_ups), catch_ups  # test_compiled_catch_up
     sizes.clear()
     speculative(random_target, noisy_draft, 4, "--compile", "--temperature", "0.8", "--ignore_eos")
     assert set(sizes) == {5}, sizes
@@ -188,6 +196,31 @@ def test_compiled_tli_step_gives_the_eager_proposal(random_target, noisy_draft, 
         torch.testing.assert_close(q_target, want, atol=1e-5, rtol=1e-4)
     assert drawn <= set(drafters[0].to_target) and len(drawn) > 1
     torch.testing.assert_close(want.sum(-1), torch.ones(1))
+
+
+def test_compiled_catch_up_writes_what_an_eager_forward_writes(random_target, noisy_draft):
+    """A few accepted tokens the draft has not read go through its compiled one-token graph (CATCH_UP_STEPS), more
+    through one eager forward: the draft's cache and its next chain come out the same either way."""
+    target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
+    vocab = generate.load_model(random_target).args.vocab_size
+    drafters = [crossdraft.make_drafter(generate.load_model(noisy_draft), draft_tok, target_tok, vocab, 3, None, 0,
+                                        1, False) for _ in range(2)]
+    drafters[0].compile("cpu")
+    prompt = target_tok.encode_prompt("def main(x):")
+    new = draft_tok.encode_continuation(" return x + 1")[: crossdraft.CATCH_UP_STEPS + 1]
+    assert len(new) == crossdraft.CATCH_UP_STEPS + 1  # the tokens to catch up on, then the next root
+    chains = []
+    with torch.no_grad():
+        for d in drafters:
+            d.start(prompt, 64)
+            d.draft(prompt[-1], 6, Sampling())  # the prompt (an eager forward), then a chain
+            d.cached, d.pending = d.cached[: len(d.prompt)], list(new)  # rewound; accepted text to catch up on
+            chains.append(d.draft(prompt[-1], 6, Sampling())[0].tokens)
+    assert chains[0] == chains[1]
+    slots = slice(len(drafters[0].prompt), len(drafters[0].prompt) + len(new) - 1)
+    for compiled, eager in zip(*(d.draft_model.layers for d in drafters)):
+        torch.testing.assert_close(compiled.attention.kv_cache.k_cache[:, :, slots],
+                                   eager.attention.kv_cache.k_cache[:, :, slots], atol=1e-5, rtol=1e-4)
 
 def test_exactly_max_new_tokens(random_target, noisy_draft):
     want = plain_greedy(random_target)
