@@ -96,7 +96,7 @@ class CrossTokenizerSpeculator:
             if b is not None and (b not in target_of or self.target_vocab.encode(b) == [i]):
                 target_of[b] = i
         pairs = [(d, target_of[b]) for d, b in enumerate(self.draft_vocab.bytes) if b in target_of]
-        device = draft_model.tok_embeddings.weight.device
+        self.device = device = draft_model.tok_embeddings.weight.device
         self.shared_draft = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=device)
         self.shared_target = torch.tensor([t for _, t in pairs], dtype=torch.long, device=device)
         self.in_both = torch.zeros(draft_model.args.vocab_size, device=device)
@@ -111,7 +111,7 @@ class CrossTokenizerSpeculator:
         then gets two shapes: chains are padded to K + 1 or, when re-tokenization made them longer, `nodes` + 1
         target tokens (on a CPU a verify forward costs more for every token it carries, padding included)."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
-        whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, self.draft_model.args.n_layer)
+        whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=self.draft_model.args.n_layer)
         if whole_graph:  # the sampled draft step (forward, warping, TLI's restriction and the draw) as one graph
             self.tli_step = torch.compile(tli_step, mode=mode, fullgraph=True, dynamic=False)
         else:  # the draft's regional forward, then the rest
@@ -185,8 +185,7 @@ class CrossTokenizerSpeculator:
         tree = Tree.rooted_at(root)
         if limit <= 0 or not self.pending or len(self.cached) + len(self.pending) + self.depth > self.capacity:
             return tree, 0  # nothing to gain, or the draft's context is full: a plain target step
-        forwards = 0
-        device = self.draft_model.tok_embeddings.weight.device
+        forwards, device = 0, self.device
         catch_up = self.pending[:-1]  # accepted text the draft has not read yet
         if 0 < len(catch_up) <= CATCH_UP_STEPS and self.compiled:  # through the compiled one-token graph
             for token in catch_up:
@@ -221,8 +220,8 @@ class CrossTokenizerSpeculator:
     def step(self, token: int, sampling: Sampling):
         """Feed `token` to the draft at the next slot of its cache: at temperature 0 its one-token decode graph
         (returns its argmax, None), else tli_step (a draw from q_I, q_T: the proposal the verifier gets)."""
-        device = self.draft_model.tok_embeddings.weight.device
-        x, input_pos = torch.tensor([[token]], device=device), torch.tensor([[len(self.cached)]], device=device)
+        x = torch.tensor([[token]], device=self.device)
+        input_pos = torch.tensor([[len(self.cached)]], device=self.device)
         self.cached.append(token)
         with sdpa_context():
             if sampling.temperature == 0:

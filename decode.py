@@ -148,7 +148,7 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     # one shape per graph: decode [B, 1], each tree size of the target and the draft, a shared block for all
     # models of one width; past the default of 8 graphs per function a fullgraph compile would raise
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, model.args.n_layer)
+    whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=model.args.n_layer)
     if not whole_graph:
         return compile_regions(model, compile_prefill)
     if device == "cpu":
@@ -176,13 +176,13 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
 WHOLE_GRAPH_MAX_LAYERS = 8
 
 
-def whole_graph_mode(device: str, whole_graph: Optional[bool] = None, autotune: bool = False, n_layer: int = 0):
+def whole_graph_mode(device: str, whole_graph: Optional[bool] = None, autotune: bool = False, *, n_layer: int):
     """(whether compile_engine compiles the whole model, the torch.compile mode of its graphs): autotune implies
     the whole graph; None chooses the default for the device and model depth (CUDA graphs on GPU; on CPU the
     whole graph for models of up to WHOLE_GRAPH_MAX_LAYERS layers, regional compilation for deeper ones)."""
     cuda = device.startswith("cuda")
     if whole_graph is None:
-        whole_graph = cuda or 0 < n_layer <= WHOLE_GRAPH_MAX_LAYERS
+        whole_graph = cuda or n_layer <= WHOLE_GRAPH_MAX_LAYERS
     return autotune or whole_graph, "max-autotune" if autotune else "reduce-overhead" if cuda else None
 
 

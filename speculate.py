@@ -535,7 +535,7 @@ class DraftModelSpeculator(TreeSpeculator):
         prefill and its catch-up on looked-up tokens (once per generation, or rare) stay eager unless
         compile_prefill."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
-        whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, self.draft_model.args.n_layer)
+        whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=self.draft_model.args.n_layer)
         if whole_graph:
             self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
             self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
