@@ -153,6 +153,8 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
         return compile_regions(model, compile_prefill)
     if device == "cpu":
         inductor_config.freezing = True
+        if not autotune:
+            model.prefer_freezing_packs()
     inductor_config.coordinate_descent_tuning = cuda
     inductor_config.triton.unique_kernel_names = True
     if autotune:  # the choices are made quietly: no table of timings per matmul shape on stderr
