@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import (Engine, Sampling, compile_engine, compiled_region, decode_n_tokens, exponential_like,
-                    logits_to_probs, run_block, sample_from, sdpa_context, whole_graph_mode)
+from decode import (Engine, Sampling, compile_engine, compiled_region, decode_n_tokens, decode_one_token,
+                    exponential_like, logits_to_probs, run_block, sample_from, sdpa_context, whole_graph_mode)
 from model import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -422,6 +422,20 @@ def draft_logits(model, x: Tensor, input_pos: Tensor, slots: Optional[Tensor], m
     return logits[:, -1] if last else logits.flatten(0, 1)
 
 
+def draft_chain(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: int):
+    """`depth` draft tokens in a row, each fed back as the next query, in one graph (DraftModelSpeculator.compile):
+    x, input_pos [B, T] at consecutive slots (the distribution of the last query gives the first token). Returns the
+    tokens [B, depth] (the argmax at temperature 0, else draws) and, at temperature > 0, the distributions they were
+    drawn from [B, depth, V] (else None)."""
+    tokens, probs = [], []
+    for _ in range(depth):
+        token, q = decode_one_token(model, x, input_pos, sampling)  # [B], [B, V]
+        tokens.append(token)
+        probs.append(q)
+        x, input_pos = token.view(-1, 1), input_pos[:, -1:] + 1  # [B, 1] each
+    return torch.stack(tokens, 1), torch.stack(probs, 1) if sampling.temperature > 0 else None
+
+
 def draft_candidates(model, x: Tensor, input_pos: Tensor, slots: Optional[Tensor], mask: Optional[Tensor],
                      width: int, last: bool):
     """draft_logits() and greedy_candidates() of them, in one graph when compiled."""
@@ -516,6 +530,7 @@ class DraftModelSpeculator(TreeSpeculator):
     def __init__(self, draft_model, depth: int, tree_nodes: int, auto_depth: bool = False, ngram: int = 0):
         super().__init__(depth, tree_nodes, auto_depth)
         self.draft_model = draft_model
+        self.device = draft_model.tok_embeddings.weight.device
         self.lookup = Lookup(ngram) if ngram else None  # n-gram branches merged into the draft's tree
         self.lookups = []  # one per row of the current generation (sharing self.lookup's earlier samples)
         self.kind = "draft" if tree_nodes == depth else "tree"  # stats: a chain, or token-tree verification
@@ -525,6 +540,9 @@ class DraftModelSpeculator(TreeSpeculator):
         self.candidates, self.logits = draft_candidates, draft_logits
         self.draft_forward = draft_model  # what candidates() / logits() run: the model, or its regional forward
         self.write_cache = draft_model
+        # a fixed-depth chain's K draft steps in one call (draft_chain), compiled as one graph where the draft compiles
+        # whole; None: step by step through read() (trees, --speculate_k auto, a regionally compiled draft)
+        self.chain = draft_chain if self.width == 1 and not auto_depth else None
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
         self.pending = []  # per row: accepted tokens not yet in the draft's cache (they come before the next root)
 
@@ -537,12 +555,15 @@ class DraftModelSpeculator(TreeSpeculator):
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
         whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=self.draft_model.args.n_layer)
         if whole_graph:
+            if self.chain is not None:  # one graph, one host sync, one CUDA graph for K tokens
+                self.chain = torch.compile(draft_chain, mode=mode, fullgraph=True, dynamic=False)
             self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
             self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
             if compile_prefill:
                 self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
         else:  # regional: the engine's forward runs the compiled block for every layer
             self.draft_forward = self.engine.forward
+            self.chain = None  # a chain steps through the engine's compiled one-token decode
             if compile_prefill:
                 self.write_cache = functools.partial(self.draft_model, block=compiled_region(run_block, True))
 
@@ -565,7 +586,7 @@ class DraftModelSpeculator(TreeSpeculator):
                 self.lookup.finish(out)
 
     def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling):
-        device = self.draft_model.tok_embeddings.weight.device
+        device = self.device
         batch, forwards = len(roots), 0
         # accepted tokens the draft never read sit just before each root: a looked-up path (any length) goes into
         # the cache first, all but its last token; rows with fewer re-read tokens they already hold (same values)
@@ -578,6 +599,8 @@ class DraftModelSpeculator(TreeSpeculator):
             forwards += 1
         # depth 1: each row's last pending token (or, in rows with none, the token it already holds there) and its
         # root, whose distribution gives the first children; the default causal mask over slots = positions
+        if self.chain is not None and depth == self.depth:
+            return self.draft_chain(roots, pos, contexts, sampling), forwards + depth
         feed = 2 if longest else 1
         x = torch.tensor([context[-feed:] for context in contexts], device=device)  # [B, feed]
         input_pos = torch.tensor(pos, device=device).view(-1, 1) + torch.arange(1 - feed, 1, device=device)  # [B, feed]
@@ -625,6 +648,25 @@ class DraftModelSpeculator(TreeSpeculator):
                 self.merge(tree, s, trie, sampling)
             out.append(self.select(tree, s))
         return out, forwards
+
+    def draft_chain(self, roots: list, pos: list, contexts: list, sampling: Sampling) -> list:
+        """The chain of every row through the compiled K-step graph (draft_chain): fed each row's token before the
+        root (the draft may not have read it: an accepted last node; else it rewrites that slot) and the root; the
+        drafted node at depth d < K is read at slot pos + d, as draft() places a chain."""
+        x = torch.tensor([context[-2:] for context in contexts], device=self.device)  # [B, 2]
+        input_pos = torch.tensor(pos, device=self.device).view(-1, 1) + torch.arange(-1, 1, device=self.device)
+        with sdpa_context():
+            tokens, q = self.chain(self.draft_model, x, input_pos, sampling, self.depth)  # [B, K], [B, K, V]
+        q = q.clone() if q is not None else None  # out of the graph's output (a CUDA graph's replay overwrites it)
+        self.pending = [[] for _ in roots]
+        trees = []
+        for b, (root, p, row) in enumerate(zip(roots, pos, tokens.tolist())):
+            tree = Tree.rooted_at(root, p)
+            for d, token in enumerate(row, 1):
+                tree.add(token, d - 1, q[b, d - 1] if q is not None else None)
+                tree.draft_slots[d] = p + d if d < self.depth else None
+            trees.append(tree)
+        return trees
 
     def read(self, x: Tensor, input_pos: Tensor, slots, mask, sampling: Sampling, exclude=None, last=False) -> list:
         """One draft forward over x [B, T]; the children of each query (of each row's last one if `last`), best

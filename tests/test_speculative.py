@@ -13,7 +13,7 @@ import torch
 
 import generate
 import speculate
-from decode import Sampling, logits_to_probs
+from decode import Sampling, logits_to_probs, sample_from
 from helpers import (DRAWS, PROMPTS, REJECT_BELOW, copy_checkpoint, lossless_pvalues, plain_greedy, run,
                      speculative, tokens, write_checkpoint)
 
@@ -157,26 +157,31 @@ def test_clear_errors(random_target, random_draft, tmp_path, tokenizer_model):
 # the first token, the second token and the pair against the target's distribution computed by
 # enumeration. The same test run with a deliberately wrong rejection rule must reject it.
 
-real_sampled_children = speculate.DraftModelSpeculator.sampled_children
-
-
 def residual_ignores_draft(p, q, x):
     """Broken: after a rejection, sample the target's p again instead of norm(max(0, p - q))."""
     return p / p.sum()
 
 
-def ratio_with_unfiltered_q(self, logits, sampling, exclude=None):
-    """Broken: the draft samples from its top-k / top-p distribution, but verify() is handed the
-    distribution before top-k / top-p."""
-    unfiltered = logits_to_probs(logits, Sampling(sampling.temperature))
-    return [[(token, unfiltered[r], score, cell) for token, _, score, cell in row]
-            for r, row in enumerate(real_sampled_children(self, logits, sampling, exclude))]
+def broken_chain(draw, handed):
+    """A draft_chain (the chain's K draft steps) whose token at each step is draw(logits, sampling) and whose
+    proposal handed to verify() is handed(logits, sampling)."""
+    def chain(model, x, input_pos, sampling, depth):
+        tokens, probs = [], []
+        for _ in range(depth):
+            logits = model(x, input_pos)[:, -1]  # [B, V]
+            tokens.append(draw(logits, sampling))
+            probs.append(handed(logits, sampling))
+            x, input_pos = tokens[-1].view(-1, 1), input_pos[:, -1:] + 1  # [B, 1] each
+        return torch.stack(tokens, 1), torch.stack(probs, 1)
+    return chain
 
 
-def greedy_draft_with_soft_q(self, logits, sampling, exclude=None):
-    """Broken: the draft proposes its argmax, but verify() is told it was sampled from q."""
-    q = logits_to_probs(logits, sampling)
-    return [[(int(row.argmax()), row, 0.0, None)] for row in q]
+# Broken: the draft samples from its top-k / top-p distribution, but verify() is handed the distribution before
+# top-k / top-p
+chain_with_unfiltered_q = broken_chain(lambda logits, s: sample_from(logits_to_probs(logits, s)),
+                                       lambda logits, s: logits_to_probs(logits, Sampling(s.temperature)))
+# Broken: the draft proposes its argmax, but verify() is told it was sampled from q
+greedy_chain_with_soft_q = broken_chain(lambda logits, s: logits.argmax(-1), logits_to_probs)
 
 
 T1, T07_TOPK_TOPP, T1_TOPK = Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.9), Sampling(1.0, top_k=4)
@@ -185,8 +190,8 @@ LOSSLESS_CASES = {  # name: (sampling, what to break or None)
     "temperature 0.7, top-k, top-p": (T07_TOPK_TOPP, None),
     "temperature 1, top-k": (T1_TOPK, None),
     "broken: residual ignores the draft": (T1, ("residual", residual_ignores_draft)),
-    "broken: ratio with the unfiltered draft": (T1_TOPK, ("sampled_children", ratio_with_unfiltered_q)),
-    "broken: greedy draft, sampled q": (T1, ("sampled_children", greedy_draft_with_soft_q)),
+    "broken: ratio with the unfiltered draft": (T1_TOPK, ("draft_chain", chain_with_unfiltered_q)),
+    "broken: greedy draft, sampled q": (T1, ("draft_chain", greedy_chain_with_soft_q)),
 }
 
 
@@ -195,7 +200,7 @@ def test_sampling_is_lossless(case, monkeypatch):
     sampling, breakage = LOSSLESS_CASES[case]
     if breakage is not None:
         name, broken = breakage
-        monkeypatch.setattr(speculate if name == "residual" else speculate.DraftModelSpeculator, name, broken)
+        monkeypatch.setattr(speculate, name, broken)  # read when the speculator is made
     pvalues, accept_counts = lossless_pvalues(2, sampling)
     if breakage is None:
         assert min(pvalues.values()) > REJECT_BELOW, pvalues
