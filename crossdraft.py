@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, compile_engine, logits_to_probs, sample_from, sdpa_context, whole_graph_mode
+from decode import (Engine, Sampling, compile_engine, decode_one_token, logits_to_probs, sample_from, sdpa_context,
+                    whole_graph_mode)
 from model import UserError
 from speculate import MAX_TREE_NODES, Stats, Tree, verify_step
 
@@ -104,18 +105,25 @@ class CrossTokenizerSpeculator:
         self.to_target = dict(pairs)
         self.target_size = target_vocab_size
         self.tli_step, self.tli_forward = tli_step, draft_model  # a sampled draft step; compile() compiles it
+        # the K draft steps of a chain in one call (cross_chain), one graph where the draft compiles whole; None: step
+        # by step (a regionally compiled draft)
+        self.chain = cross_chain
 
     def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None,
                 autotune: bool = False):
-        """The draft's one-token forward as a static graph; the target's verify forward (compiled by the caller)
-        then gets two shapes: chains are padded to K + 1 or, when re-tokenization made them longer, `nodes` + 1
-        target tokens (on a CPU a verify forward costs more for every token it carries, padding included)."""
+        """Static graphs for the draft's one-token forward (the catch-up) and its K-step chain (cross_chain: one call
+        and one host sync per step, one graph where the draft compiles whole). The target's verify forward (compiled
+        by the caller) gets two shapes: chains are padded to K + 1 or, when re-tokenization made them longer,
+        `nodes` + 1 target tokens (on a CPU a verify forward costs more for every token it carries, padding
+        included)."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
         whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=self.draft_model.args.n_layer)
         if whole_graph:  # the sampled draft step (forward, warping, TLI's restriction and the draw) as one graph
             self.tli_step = torch.compile(tli_step, mode=mode, fullgraph=True, dynamic=False)
+            self.chain = torch.compile(cross_chain, mode=mode, fullgraph=True, dynamic=False)  # K steps, one graph
         else:  # the draft's regional forward, then the rest
             self.tli_forward = self.engine.forward
+            self.chain = None
         if compile_prefill:
             self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
         self.compiled = True
@@ -200,18 +208,24 @@ class CrossTokenizerSpeculator:
             forwards += 1
         token, drafted = self.pending[-1], []
         self.pending = []
-        for _ in range(self.depth):
-            drawn, q_target = self.step(token, sampling)
-            forwards += 1
-            token = int(drawn[0])
-            if sampling.temperature == 0:
-                if self.draft_vocab.bytes[token] is None:  # a special token ends what the draft can say as text
-                    break
-            else:
-                if token < 0:  # q put no mass on tokens both vocabularies share
-                    break
-                tree.add(self.to_target[token], len(tree.tokens) - 1, q_target[0].clone())  # kept past the next call
-            drafted.append(token)
+        if self.chain is not None:  # the K steps in one call
+            drafted, proposals = self.draft_chain(token, sampling)
+            forwards += self.depth
+            for t, q_target in zip(drafted, proposals if sampling.temperature else []):
+                tree.add(self.to_target[t], len(tree.tokens) - 1, q_target)
+        else:
+            for _ in range(self.depth):
+                drawn, q_target = self.step(token, sampling)
+                forwards += 1
+                token = int(drawn[0])
+                if sampling.temperature == 0:
+                    if self.draft_vocab.bytes[token] is None:  # a special token ends what the draft can say as text
+                        break
+                else:
+                    if token < 0:  # q put no mass on tokens both vocabularies share
+                        break
+                    tree.add(self.to_target[token], len(tree.tokens) - 1, q_target[0].clone())  # kept past the next
+                drafted.append(token)
         if sampling.temperature == 0:  # the drafted text, re-tokenized for the target
             for t in self.target_vocab.encode(self.draft_vocab.text(drafted))[:limit]:
                 tree.add(t, len(tree.tokens) - 1)
@@ -228,6 +242,24 @@ class CrossTokenizerSpeculator:
                 return self.engine.decode_one_token(self.draft_model, x, input_pos, sampling)[0], None
             return self.tli_step(self.tli_forward, x, input_pos, sampling, self.in_both, self.shared_draft,
                                  self.shared_target, self.target_size)
+
+    def draft_chain(self, token: int, sampling: Sampling):
+        """The K draft steps after `token` in one call (cross_chain): the drafted draft tokens up to the first that
+        ends the chain (greedy: a special token, which has no text; sampled: none drawn, where q had no mass on the
+        tokens both vocabularies share), and their proposals q_T over the target's vocabulary [K, V_target] (None
+        at temperature 0). The cache then holds every token fed, including those past the end (sync() rewinds it)."""
+        x = torch.tensor([[token]], device=self.device)
+        input_pos = torch.tensor([[len(self.cached)]], device=self.device)
+        with sdpa_context():
+            tokens, proposals = self.chain(self.tli_forward, x, input_pos, sampling, self.depth, self.in_both,
+                                           self.shared_draft, self.shared_target, self.target_size)  # [1, K] ...
+        tokens = tokens[0].tolist()
+        self.cached += [token] + [max(t, 0) for t in tokens[:-1]]  # what the graph fed (a -1 as 0)
+        greedy = sampling.temperature == 0
+        end = next((i for i, t in enumerate(tokens) if (self.draft_vocab.bytes[t] is None if greedy else t < 0)),
+                   len(tokens))
+        # out of the graph's output (a CUDA graph's replay overwrites it): [K, V_target]
+        return tokens[:end], None if greedy else proposals[0].clone()
 
     def sync(self, text: bytes):
         """Bring the draft's token stream to the generated text `text` (the target's accepted bytes): re-encode
@@ -276,6 +308,25 @@ def tli_step(forward, x: Tensor, input_pos: Tensor, sampling: Sampling, in_both:
     q = logits_to_probs(forward(x, input_pos)[:, -1], sampling)  # [B, V_draft]
     q_draft, q_target, has_mass = restrict_to_shared(q, in_both, shared_draft, shared_target, target_size)
     return torch.where(has_mass, sample_from(q_draft), -1), q_target
+
+
+def cross_chain(forward, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: int, in_both: Tensor,
+                shared_draft: Tensor, shared_target: Tensor, target_size: int):
+    """`depth` draft steps, each drawn token fed back as the next query, in one graph (CrossTokenizerSpeculator.
+    compile): x, input_pos [B, 1]. Returns the draft tokens [B, depth] (temperature 0: the draft's argmax; else
+    tli_step's draws, -1 where q had no mass on I, fed on as token 0) and at temperature > 0 their proposals q_T
+    [B, depth, V_target] (else None). The same draws, in the same order, as `depth` calls of tli_step."""
+    tokens, proposals = [], []
+    for _ in range(depth):
+        if sampling.temperature == 0:
+            token, q_target = decode_one_token(forward, x, input_pos, sampling)[0], None
+        else:
+            token, q_target = tli_step(forward, x, input_pos, sampling, in_both, shared_draft, shared_target,
+                                       target_size)
+        tokens.append(token)
+        proposals.append(q_target)
+        x, input_pos = token.clamp_min(0).view(-1, 1), input_pos + 1  # [B, 1] each
+    return torch.stack(tokens, 1), torch.stack(proposals, 1) if sampling.temperature > 0 else None
 
 
 def verify_chain(target: Engine, tree: Tree, pos: int, sampling: Sampling):

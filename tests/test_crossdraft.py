@@ -198,6 +198,61 @@ def test_compiled_tli_step_gives_the_eager_proposal(random_target, noisy_draft, 
     torch.testing.assert_close(want.sum(-1), torch.ones(1))
 
 
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, top_k=50)], ids=["greedy", "sampled"])
+def test_chain_in_one_call_drafts_what_k_steps_draft(random_target, noisy_draft, sampling):
+    """cross_chain (the K draft steps in one call) drafts the chain that K single steps draft, hands the verifier the
+    same proposals (same seed: the same draws in the same order) and leaves the same tokens in the draft's cache."""
+    target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
+    vocab = generate.load_model(random_target).args.vocab_size
+    drafters = [crossdraft.make_drafter(generate.load_model(noisy_draft), draft_tok, target_tok, vocab, 4, None, 0,
+                                        1, False) for _ in range(2)]
+    drafters[1].chain = None  # step by step
+    prompt = target_tok.encode_prompt("def main(x):")
+    trees = []
+    with torch.no_grad():
+        for d in drafters:
+            torch.manual_seed(0)
+            d.start(prompt, 64)
+            trees.append(d.draft(prompt[-1], 8, sampling)[0])  # the prompt (one forward), then the chain
+    (chain, steps), (a, b) = trees, drafters
+    assert chain.tokens == steps.tokens and len(chain.tokens) > 1
+    assert a.cached[: len(b.cached)] == b.cached  # the chain also fed what it drafted past a stop, if any
+    slots = slice(0, len(b.cached))
+    for one_call, stepped in zip(a.draft_model.layers, b.draft_model.layers):
+        torch.testing.assert_close(one_call.attention.kv_cache.k_cache[:, :, slots],
+                                   stepped.attention.kv_cache.k_cache[:, :, slots])
+    for p, q in zip(chain.proposals[1:], steps.proposals[1:]):
+        if sampling.temperature:
+            torch.testing.assert_close(p, q)
+        else:
+            assert p is None and q is None
+
+
+def test_compiled_chain_proposals_are_those_of_its_draws(random_target, noisy_draft):
+    """The K sampled draft steps compiled as one graph: each q_T handed to the verifier is the eager step's q_T in the
+    context of the graph's own earlier draws, and every draw is a token of the intersection."""
+    target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
+    vocab = generate.load_model(random_target).args.vocab_size
+    drafters = [crossdraft.make_drafter(generate.load_model(noisy_draft), draft_tok, target_tok, vocab, 3, None, 0,
+                                        1, False) for _ in range(2)]
+    drafters[0].compile("cpu", whole_graph=True)
+    sampling = Sampling(0.8, top_k=50)
+    ids = torch.tensor([draft_tok.encode_prompt("def main(x):")])
+    for d in drafters:
+        d.draft_model.setup_caches(1, 64)
+        d.draft_model(ids[:, :-1], torch.arange(ids.shape[1] - 1).view(1, -1))
+    compiled, eager = drafters
+    x, pos = ids[:, -1:], torch.tensor([[ids.shape[1] - 1]])
+    shared = (compiled.in_both, compiled.shared_draft, compiled.shared_target, vocab)
+    with torch.no_grad():
+        drawn, proposals = compiled.chain(compiled.tli_forward, x, pos, sampling, 3, *shared)  # [1, 3], [1, 3, V]
+        assert set(drawn[0].tolist()) <= set(compiled.to_target)
+        for i in range(3):
+            _, want = crossdraft.tli_step(eager.tli_forward, x, pos + i, sampling, *shared)
+            torch.testing.assert_close(proposals[:, i], want, atol=1e-5, rtol=1e-4)
+            x = drawn[:, i: i + 1]
+
+
 def test_compiled_catch_up_writes_what_an_eager_forward_writes(random_target, noisy_draft):
     """A few accepted tokens the draft has not read go through its compiled one-token graph (CATCH_UP_STEPS), more
     through one eager forward: the draft's cache and its next chain come out the same either way."""
