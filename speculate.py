@@ -472,22 +472,18 @@ class AcceptanceTable:
         """Score each row's candidates (tensors [rows, width], most probable first): [[(token, log-estimate,
         cell)]], for the candidates in `keep` (default: those of prior > 0). falling: a candidate never scores
         above the one before it (the running minimum along the row)."""
-        width = tokens.shape[-1]
-        log_q, log_prior = log_q.double().cpu(), log_prior.double().cpu()
-        prior = log_prior.exp()
-        rank = torch.arange(width).expand_as(prior)
-        q_bucket = torch.bucketize(log_q, torch.tensor(self.LOG_Q_EDGES, dtype=torch.double), right=True)
-        prior_bucket = torch.bucketize(prior, torch.tensor(self.PRIOR_EDGES, dtype=torch.double), right=True)
-        cells = (rank * (len(self.LOG_Q_EDGES) + 1) + q_bucket) * (len(self.PRIOR_EDGES) + 1) + prior_bucket
-        weight = self.PRIOR_WEIGHT * self.unit
-        accepted = torch.tensor(self.accepted, dtype=torch.double)[cells]
-        reached = torch.tensor(self.reached, dtype=torch.double)[cells]
-        scores = ((accepted + weight * prior) / (reached + weight)).clamp(1e-12, 1.0).log()
+        scores, cells = table_estimates(log_q.cpu(), log_prior.cpu(), *self.counts())
+        prior = log_prior.double().cpu().exp()
         if falling:
             scores = scores.cummin(-1).values
         keep = (prior > 0) if keep is None else keep.cpu()
         return [[(t, s, c) for t, s, c, k in zip(*row) if k]
                 for row in zip(tokens.tolist(), scores.tolist(), cells.tolist(), keep.tolist())]
+
+    def counts(self):
+        """(accepted, reached) per cell as float64 tensors, and the prior's weight w as a 0-d tensor."""
+        return (torch.tensor(self.accepted, dtype=torch.double), torch.tensor(self.reached, dtype=torch.double),
+                torch.tensor(self.PRIOR_WEIGHT * self.unit, dtype=torch.double))
 
     def lookup(self, share: float):
         """(log-estimate, cell) of a child that continues `share` of the n-gram lookup's occurrences."""
@@ -512,6 +508,113 @@ class AcceptanceTable:
             for child in kids[node]:
                 self.reached[cells[child]] += self.unit
                 self.accepted[cells[child]] += self.unit if child in on_path else 0.0
+
+
+def table_estimates(log_q: Tensor, log_prior: Tensor, accepted: Tensor, reached: Tensor, weight: Tensor):
+    """AcceptanceTable's log-estimate and cell of each candidate ([rows, width] each, most probable first) from the
+    table's counts (AcceptanceTable.counts); in a graph or on the host alike. A candidate of prior 0 scores -inf."""
+    table = AcceptanceTable
+    log_q, log_prior = log_q.double(), log_prior.double()
+    prior = log_prior.exp()
+    rank = torch.arange(log_q.shape[-1], device=log_q.device).expand_as(prior)
+    q_bucket = torch.bucketize(log_q, torch.tensor(table.LOG_Q_EDGES, dtype=torch.double, device=log_q.device),
+                               right=True)
+    prior_bucket = torch.bucketize(prior, torch.tensor(table.PRIOR_EDGES, dtype=torch.double, device=log_q.device),
+                                   right=True)
+    cells = (rank * (len(table.LOG_Q_EDGES) + 1) + q_bucket) * (len(table.PRIOR_EDGES) + 1) + prior_bucket
+    scores = ((accepted[cells] + weight * prior) / (reached[cells] + weight)).clamp(1e-12, 1.0).log()
+    return scores.masked_fill(prior == 0, -math.inf), cells
+
+
+def sampled_candidates(q: Tensor, width: int):
+    """`width` draws without replacement from each row of q [rows, V], in the order drawn, by Gumbel-top-k (Kool et
+    al. 2019: the k largest log q(x) + G(x), G i.i.d. Gumbel); the log of q's `width` largest probabilities, sorted
+    (what a draw's score may depend on: known before drawing), and the log prior of the i-th draw, the chance
+    that it is the i-th most likely token: p_i / (the mass not ranked above it). Each [rows, width]."""
+    keys = q.log() - exponential_like(q).log()  # log q + Gumbel noise
+    drawn = torch.topk(keys, width, dim=-1).indices
+    top = torch.topk(q, width, dim=-1).values.double()
+    left = 1.0 - (top.cumsum(-1) - top)
+    return drawn, top.log(), (top / left.clamp_min(1e-30)).clamp_max(1.0).log()
+
+
+def tree_children(logits: Tensor, sampling: Sampling, width: int, accepted: Tensor, reached: Tensor, weight: Tensor):
+    """The children of each row of logits [rows, V], as DraftModelSpeculator.read gives them: tokens, log-estimates
+    and cells [rows, width] (greedy: the most probable first; sampled: draws in order, scores falling along
+    ranks) and the distribution q they were drawn from [rows, V] (None at temperature 0)."""
+    if sampling.temperature == 0:
+        tokens, log_q, log_prior = greedy_candidates(logits, width)
+        return (tokens, *table_estimates(log_q, log_prior, accepted, reached, weight), None)
+    q = logits_to_probs(logits, sampling)
+    tokens, log_top, log_prior = sampled_candidates(q, width)
+    scores, cells = table_estimates(log_top, log_prior, accepted, reached, weight)
+    return tokens, scores.cummin(-1).values, cells, q
+
+
+def draft_tree(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: int, width: int, accepted: Tensor,
+               reached: Tensor, weight: Tensor):
+    """The dynamic tree of every row in one graph (DraftModelSpeculator.compile): the tree that
+    DraftModelSpeculator.draft grows depth by depth on the host (without lookups), K forwards and no host sync.
+    x, input_pos [B, 2]: the token before the root and the root, at slots pos - 1 and pos; accepted, reached,
+    weight: the acceptance table's counts (AcceptanceTable.counts).
+
+    Candidates, in the order draft() adds them: the root (index 0), its `width` most probable children, then at
+    each depth d >= 2 `width` children of each frontier node (the `width` best-scored nodes of depth d - 1, best
+    first: a stable sort, ties to the earlier node), M = 1 + width + (depth - 1) * width^2 in all. Frontier node
+    j of depth d is read at slot pos + 1 + (d - 1) * width + j (RoPE position pos + d), seeing the prefix up to
+    the root and the slots of its ancestors. Returns the candidates other than the root best first [B, M - 1]
+    (by score, ties to the earlier: select()'s order, so the first tree_nodes hold each one's parent); per
+    candidate [B, 6, M]: token, parent (-1: the root), cell (-1: the root), draft slot (-1: never read), 1 where
+    it may be kept (0: a candidate of prior 0, which the host path never adds, nor its children), and its row of
+    the distributions it was drawn from; those distributions at temperature > 0 [B, 1 + (K - 1) * width, V]
+    (the root's, then each frontier node's; else None).
+
+    At temperature > 0 the children are tree_children()'s draws without replacement, scored only by what was known
+    before they were drawn, as DraftModelSpeculator.sampled_children explains: the same tree, the same draws
+    (eager, same seed), hence lossless for the same reason."""
+    batch, device = x.shape[0], x.device
+    span = max(depth - 1, 1) * width  # the draft-cache slots after the root that frontier nodes are read at
+    size = 1 + width + (depth - 1) * width * width
+    pos = input_pos[:, -1:]  # [B, 1] the root's slot
+    tokens, scores, cells, q = tree_children(model(x, input_pos)[:, -1], sampling, width, accepted, reached, weight)
+    qs = [q]  # [B, V], then [B, width, V] per depth: the distributions the children were drawn from (sampled)
+    rows = [torch.full_like(pos, -1), torch.zeros_like(tokens)]  # each candidate's row of qs (its parent's)
+    root = torch.full_like(pos, -1)
+    all_tokens, all_parents, all_cells = [x[:, -1:], tokens], [root, torch.zeros_like(tokens)], [root, cells]
+    all_scores = torch.cat([torch.zeros_like(scores[:, :1]), scores], 1)  # [B, 1 + width]
+    slots = torch.cat([pos, torch.full((batch, size - 1), -1, dtype=pos.dtype, device=device)], 1)  # [B, M]
+    newest = torch.arange(1, 1 + width, device=device).expand(batch, width)  # [B, n]: the latest depth's nodes
+    seen = torch.zeros(batch, width, span, dtype=torch.bool, device=device)  # tree slots each frontier node sees
+    cache_slots = torch.arange(model.max_seq_length, device=device)  # [S]
+    offset = (cache_slots - (pos + 1)).clamp(0, span - 1).unsqueeze(1).expand(batch, width, -1)  # [B, width, S]
+    after_root = ((cache_slots > pos) & (cache_slots <= pos + span)).unsqueeze(1)  # [B, 1, S]
+    for d in range(1, depth):
+        order = torch.sort(all_scores.gather(1, newest), dim=-1, descending=True, stable=True).indices[:, :width]
+        frontier = newest.gather(1, order)  # [B, width]
+        first = (d - 1) * width  # the frontier's first slot after the root, minus one
+        read_at = pos + 1 + first + torch.arange(width, device=device)  # [B, width]
+        slots = slots.scatter(1, frontier, read_at)
+        parent = order // width if d > 1 else torch.zeros_like(order)  # each one's parent's place in the last frontier
+        own = torch.arange(span, device=device) == first + torch.arange(width, device=device).view(-1, 1)  # [width, S']
+        seen = seen.gather(1, parent.unsqueeze(-1).expand(-1, -1, span)) | own  # [B, width, span]
+        mask = (cache_slots <= pos).unsqueeze(1) | (seen.gather(2, offset) & after_root)  # [B, width, S]
+        fed = torch.cat(all_tokens, 1).gather(1, frontier)  # [B, width]
+        logits = model(fed, (pos + d).expand(batch, width), read_at, mask.unsqueeze(1))  # [B, width, V]
+        tokens, scores, cells, q = tree_children(logits.flatten(0, 1), sampling, width, accepted, reached,
+                                                 weight)  # [B * width, width] each, q [B * width, V]
+        qs.append(q.view(batch, width, -1) if q is not None else None)  # [B, width, V]
+        rows.append((1 + first + torch.arange(width, device=device)).repeat_interleave(width).expand(batch, -1))
+        all_tokens.append(tokens.view(batch, width * width))
+        all_parents.append(frontier.repeat_interleave(width, 1))  # [B, width * width]
+        all_cells.append(cells.view(batch, width * width))
+        below = all_scores.gather(1, frontier).unsqueeze(-1) + scores.view(batch, width, width)  # [B, width, width]
+        newest = all_scores.shape[1] + torch.arange(width * width, device=device).expand(batch, -1)
+        all_scores = torch.cat([all_scores, below.view(batch, width * width)], 1)
+    ranked = torch.sort(all_scores[:, 1:], dim=-1, descending=True, stable=True).indices + 1  # [B, M - 1]
+    nodes = torch.stack([torch.cat(all_tokens, 1), torch.cat(all_parents, 1), torch.cat(all_cells, 1), slots,
+                         (all_scores > -math.inf).long(), torch.cat(rows, 1)], 1)  # [B, 6, M]
+    sampled = sampling.temperature > 0
+    return ranked, nodes, torch.cat([qs[0].unsqueeze(1)] + qs[1:], 1) if sampled else None  # [B, R, V]
 
 
 class DraftModelSpeculator(TreeSpeculator):
@@ -543,6 +646,9 @@ class DraftModelSpeculator(TreeSpeculator):
         # a fixed-depth chain's K draft steps in one call (draft_chain), compiled as one graph where the draft compiles
         # whole; None: step by step through read() (trees, --speculate_k auto, a regionally compiled draft)
         self.chain = draft_chain if self.width == 1 and not auto_depth else None
+        # likewise a greedy tree without lookups (draft_tree); None: depth by depth on the host (sampled trees, merged
+        # lookups, a regionally compiled draft)
+        self.tree = draft_tree if self.width > 1 and not ngram else None
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
         self.pending = []  # per row: accepted tokens not yet in the draft's cache (they come before the next root)
 
@@ -557,13 +663,15 @@ class DraftModelSpeculator(TreeSpeculator):
         if whole_graph:
             if self.chain is not None:  # one graph, one host sync, one CUDA graph for K tokens
                 self.chain = torch.compile(draft_chain, mode=mode, fullgraph=True, dynamic=False)
+            if self.tree is not None:
+                self.tree = torch.compile(draft_tree, mode=mode, fullgraph=True, dynamic=False)
             self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
             self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
             if compile_prefill:
                 self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
         else:  # regional: the engine's forward runs the compiled block for every layer
             self.draft_forward = self.engine.forward
-            self.chain = None  # a chain steps through the engine's compiled one-token decode
+            self.chain = self.tree = None  # a chain steps through the engine's compiled one-token decode
             if compile_prefill:
                 self.write_cache = functools.partial(self.draft_model, block=compiled_region(run_block, True))
 
@@ -601,6 +709,8 @@ class DraftModelSpeculator(TreeSpeculator):
         # root, whose distribution gives the first children; the default causal mask over slots = positions
         if self.chain is not None and depth == self.depth:
             return self.draft_chain(roots, pos, contexts, sampling), forwards + depth
+        if self.tree is not None and depth == self.depth:
+            return self.draft_tree(roots, pos, contexts, sampling), forwards + depth
         feed = 2 if longest else 1
         x = torch.tensor([context[-feed:] for context in contexts], device=device)  # [B, feed]
         input_pos = torch.tensor(pos, device=device).view(-1, 1) + torch.arange(1 - feed, 1, device=device)  # [B, feed]
@@ -668,6 +778,26 @@ class DraftModelSpeculator(TreeSpeculator):
             trees.append(tree)
         return trees
 
+    def draft_tree(self, roots: list, pos: list, contexts: list, sampling: Sampling) -> list:
+        """Every row's tree through the one-graph draft_tree (fed, like draft_chain, each row's token before the root
+        and the root), cut to the tree_nodes best as select() cuts it."""
+        x = torch.tensor([context[-2:] for context in contexts], device=self.device)  # [B, 2]
+        input_pos = torch.tensor(pos, device=self.device).view(-1, 1) + torch.arange(-1, 1, device=self.device)
+        with sdpa_context():
+            ranked, nodes, qs = self.tree(self.draft_model, x, input_pos, sampling, self.depth, self.width,
+                                          *self.table.counts())
+        qs = qs.clone() if qs is not None else None  # out of the graph's output (a CUDA graph's replay overwrites it)
+        self.pending = [[] for _ in roots]
+        trees = []
+        for b, (root, best, (tokens, parents, cells, slots, usable, rows)) in enumerate(
+                zip(roots, ranked.tolist(), nodes.tolist())):
+            tree, index = Tree.rooted_at(root, slots[0]), {0: 0}
+            for i in sorted([i for i in best if usable[i]][:self.tree_nodes]):  # depth by depth: parents first
+                index[i] = tree.add(tokens[i], index[parents[i]], qs[b, rows[i]] if qs is not None else None, cells[i])
+                tree.draft_slots[index[i]] = slots[i] if slots[i] >= 0 else None
+            trees.append(tree)
+        return trees
+
     def read(self, x: Tensor, input_pos: Tensor, slots, mask, sampling: Sampling, exclude=None, last=False) -> list:
         """One draft forward over x [B, T]; the children of each query (of each row's last one if `last`), best
         first: [[(token, proposal, log-estimate, cell)]], proposal None for a deterministic child.
@@ -706,15 +836,10 @@ class DraftModelSpeculator(TreeSpeculator):
         for r, tokens in enumerate(exclude or []):
             if tokens:
                 q[r] = without(q[r], tokens)
-        keys = q.log() - exponential_like(q).log()  # log q + Gumbel noise
-        drawn = torch.topk(keys, self.width, dim=-1).indices  # [rows, width], in the order drawn
-        top = torch.topk(q, self.width, dim=-1).values.double()  # [rows, width] sorted probabilities: known before drawing
+        drawn, log_top, log_prior = sampled_candidates(q, self.width)
         if self.width == 1:
             return [[(token, q[r], 0.0, None)] for r, token in enumerate(drawn[:, 0].tolist())]
-        # prior of the i-th draw: the chance it is the i-th most likely token, p_i / (mass not ranked above it)
-        left = 1.0 - (top.cumsum(-1) - top)
-        log_prior = (top / left.clamp_min(1e-30)).clamp_max(1.0).log()
-        ranked = self.table.rank(drawn, top.log(), log_prior, keep=top > 0, falling=True)
+        ranked = self.table.rank(drawn, log_top, log_prior, keep=log_top > -math.inf, falling=True)
         return [[(token, q[r], score, cell) for token, score, cell in row] for r, row in enumerate(ranked)]
 
     def merge(self, tree: Tree, scores: list, trie: dict, sampling: Sampling):

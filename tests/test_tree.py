@@ -117,6 +117,7 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     fresh.setup_caches(1, 64)
     monkeypatch.setattr(speculate, "GREEDY_RANK_TEMPERATURE", 0.05)  # a random draft is flat: rank deep nodes high
     speculator = speculate.DraftModelSpeculator(draft, 3, 9)
+    speculator.tree = None  # depth by depth on the host (the one-graph tree grows the same tree: test below)
     assert speculator.width == 3
     prompt = [1, 17, 33, 250, 7, 90]
     speculator.start([prompt], 64)
@@ -146,6 +147,42 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     torch.testing.assert_close(got[0], want[-len(fed[0]):], rtol=1e-5, atol=1e-5)  # pending token + root
     for token, logits in zip(frontier[0].tolist(), frontier_logits[0]):  # the first expanded level
         torch.testing.assert_close(logits, full_forward(fresh, sequence + [root, token])[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, top_k=6)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("k,nodes", [(3, 9), (4, 16), (2, 5), (1, 3)])
+@torch.no_grad()
+def test_one_graph_tree_equals_the_host_tree(near_draft, k, nodes, sampling):
+    """draft_tree (a tree's K draft forwards in one call, one graph when compiled) grows the tree that draft() grows
+    depth by depth on the host: the same tokens, parents, acceptance-table cells, draft slots and (sampled, same
+    seed: the same draws) proposals, step after step as accepted paths compact the cache and the table learns."""
+    speculators = [speculate.DraftModelSpeculator(generate.load_model(near_draft), k, nodes) for _ in range(2)]
+    speculators[1].tree = None  # the host path
+    assert speculators[0].tree is speculate.draft_tree
+    prompt, rng = [1, 17, 33, 250, 7, 90], random.Random(k)
+    for speculator in speculators:
+        speculator.start([prompt], 96)
+    context, pos, depths = prompt + [42], len(prompt), set()
+    for step in range(5):
+        trees = []
+        for speculator in speculators:
+            torch.manual_seed(step)
+            trees.append(speculator.draft([context[-1]], [pos], k, [context], sampling)[0][0])
+        one_graph, host = ((t.tokens, t.parents, t.cells, t.draft_slots) for t in trees)
+        assert one_graph == host
+        assert len(trees[0].tokens) == nodes + 1 or sampling.temperature  # top-k may leave fewer to draw
+        for got, want in zip(*(t.proposals for t in trees)):
+            if sampling.temperature and want is not None:
+                torch.testing.assert_close(got, want)
+            else:
+                assert got is None and want is None
+        path = branch(trees[0].parents, rng.randrange(1, len(trees[0].tokens)))[1:]
+        depths.add(len(path))
+        for speculator, tree in zip(speculators, trees):
+            speculator.accepted([path], [tree], [pos])
+        new = [trees[0].tokens[i] for i in path] + [rng.randrange(64)]
+        context, pos = context + new, pos + len(new)
+    assert max(depths) >= min(k, 2)  # paths through expanded nodes were accepted
 
 
 @torch.no_grad()
@@ -277,19 +314,21 @@ def test_ngram_greedy_identical_to_plain_decoding(random_target, extra, prompt):
 FAR_DRAFT = (1.0, 4.0)  # noise and sharpening of the draft (helpers.tiny_tables)
 
 real_sampled_children = speculate.DraftModelSpeculator.sampled_children
+real_sampled_candidates = speculate.sampled_candidates
+real_tree_children = speculate.tree_children
 real_without = speculate.without
 
 
-def drawn_with_replacement(self, logits, sampling, exclude=None):
+def drawn_with_replacement(q, width):
     """Broken: siblings drawn independently (with replacement), verified as if drawn without."""
-    return [[(int(speculate.sample_from(q)), q, score, cell) for _, q, score, cell in row]
-            for row in real_sampled_children(self, logits, sampling, exclude)]
+    _, log_top, log_prior = real_sampled_candidates(q, width)
+    return torch.stack([speculate.sample_from(q) for _ in range(width)], -1), log_top, log_prior
 
 
-def kept_by_their_own_values(self, logits, sampling, exclude=None):
+def kept_by_their_own_values(logits, sampling, width, *counts):
     """Broken: children scored by their own draft probability, so the tree_nodes cut looks at the draws."""
-    return [[(token, q, float(q[token].log()), cell) for token, q, _, cell in row]
-            for row in real_sampled_children(self, logits, sampling, exclude)]
+    tokens, _, cells, q = real_tree_children(logits, sampling, width, *counts)
+    return tokens, q.gather(-1, tokens).log().double(), cells, q
 
 
 def not_renormalized(q, tokens):
@@ -316,8 +355,8 @@ TREE_CASES = {  # name: (sampling, n-gram n, (what to break, broken function) or
     "temperature 0.5, top-p": (T05_TOPP, 0, None, FAR_DRAFT),
     "temperature 1, merged 2-gram lookups": (T1, 2, None, FAR_DRAFT),
     "temperature 0.7, top-k, top-p, merged 2-gram lookups": (T07_TOPK_TOPP, 2, None, FAR_DRAFT),
-    "broken: siblings drawn with replacement": (T1, 0, ("sampled_children", drawn_with_replacement), FAR_DRAFT),
-    "broken: kept by their own values": (T1, 0, ("sampled_children", kept_by_their_own_values), FAR_DRAFT),
+    "broken: siblings drawn with replacement": (T1, 0, ("sampled_candidates", drawn_with_replacement), FAR_DRAFT),
+    "broken: kept by their own values": (T1, 0, ("tree_children", kept_by_their_own_values), FAR_DRAFT),
     "broken: q_i not renormalized": (T1, 0, ("without", not_renormalized), FAR_DRAFT),
     "broken: looked-up tokens not excluded from the draws": (T1, 2, ("sampled_children", lookups_not_excluded),
                                                              NEAR_DRAFT),
@@ -341,7 +380,7 @@ def test_sampled_tree_is_lossless(case, monkeypatch):
     monkeypatch.setattr(speculate, "verify", watched_verify)
     if breakage is not None:
         name, broken = breakage
-        monkeypatch.setattr(speculate if name == "without" else speculate.DraftModelSpeculator, name, broken)
+        monkeypatch.setattr(speculate.DraftModelSpeculator if name == "sampled_children" else speculate, name, broken)
     pvalues, accept_counts = lossless_pvalues(6, sampling, ngram, draft=draft)
     if breakage is None:
         assert min(pvalues.values()) > REJECT_BELOW, pvalues
