@@ -65,6 +65,8 @@ def sample_from(probs: Tensor) -> Tensor:
 
 def sample(logits: Tensor, sampling: Sampling):
     probs = logits_to_probs(logits, sampling)
+    if sampling.temperature == 0:  # the argmax itself: no noise to draw for a one-hot
+        return probs.argmax(-1), probs
     return sample_from(probs), probs
 
 
