@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import draftmodel
 import speculate
 from decode import PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sdpa_context, whole_graph_mode
 from model import ModelArgs, Transformer, UserError, load_weights, read_checkpoint, write_atomically
@@ -307,7 +308,7 @@ def main(argv=None) -> dict:
                                               args.prompts_file is not None)
     load_seconds = time.perf_counter() - t0
     if drafter is None:
-        drafter = speculate.make_drafter(draft_model, depth, args.tree_nodes, args.draft_ngram, model.args.block_size)
+        drafter = draftmodel.make_drafter(draft_model, depth, args.tree_nodes, args.draft_ngram, model.args.block_size)
     eos_ids = sorted(set(model.args.eos_token_ids) | set(tokenizer.eos_ids))
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     prompt_ids = encode_prompt(args.prompt, tokenizer, model.args.vocab_size, args.seed, chat=args.chat)

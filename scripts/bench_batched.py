@@ -24,7 +24,7 @@ from benchlib import ROOT  # noqa: E402
 from bench_speculative import load_prompts  # noqa: E402
 import decode  # noqa: E402
 import generate  # noqa: E402
-import speculate  # noqa: E402
+import draftmodel  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 
@@ -169,7 +169,7 @@ def main(argv=None):
     for batch in sizes:
         drafters = {"plain": None}
         for name, (depth, n) in configs.items():
-            drafters[name] = speculate.make_drafter(draft, depth, n, 0, max_seq_length=4096)
+            drafters[name] = draftmodel.make_drafter(draft, depth, n, 0, max_seq_length=4096)
             if not args.no_compile:
                 drafters[name].compile("cpu", autotune=args.autotune)
         results = time_batches(engine, drafters, prompts[:batch], args.new_tokens, sampling, args.repeats)

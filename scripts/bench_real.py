@@ -25,7 +25,7 @@ import benchlib  # noqa: E402
 from benchlib import ROOT  # noqa: E402
 import decode  # noqa: E402
 import generate  # noqa: E402
-import speculate  # noqa: E402
+import draftmodel  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 QUESTIONS = ["What is the capital of France? Answer in two sentences.",
@@ -38,7 +38,7 @@ def ours(model, drafter_model=None, k=5, nodes=None, ngram=0, compiled=True, aut
     target and drafter."""
     engine = decode.compile_engine(model, "cpu", compile_prefill=True, autotune=autotune) if compiled \
         else decode.Engine(model)
-    drafter = speculate.make_drafter(drafter_model, k, nodes, ngram, model.args.block_size) \
+    drafter = draftmodel.make_drafter(drafter_model, k, nodes, ngram, model.args.block_size) \
         if drafter_model is not None or ngram else None
     if drafter is not None and compiled:
         drafter.compile("cpu", autotune=autotune)

@@ -28,7 +28,7 @@ import benchlib  # noqa: E402
 from benchlib import ROOT
 import decode  # noqa: E402
 import generate  # noqa: E402
-import speculate
+import draftmodel
 from tokenizer import get_tokenizer
 
 
@@ -81,7 +81,7 @@ def merge_stats(runs) -> dict:
 
 
 def drafter_for(draft_model, k, nodes=None, ngram=0, compile_=True, autotune=False):
-    drafter = speculate.make_drafter(draft_model, k, nodes, ngram, max_seq_length=4096)
+    drafter = draftmodel.make_drafter(draft_model, k, nodes, ngram, max_seq_length=4096)
     if compile_ and drafter is not None:
         drafter.compile("cpu", autotune=autotune)
     return drafter

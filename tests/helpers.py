@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
+import draftmodel
 import generate
 import speculate
 from decode import Engine, Sampling, logits_to_probs
@@ -178,7 +179,7 @@ def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed:
     ngram > 0 merges an n-gram lookup's branches into the tree (it looks only at the prompt and the output
     so far: each batch starts a fresh lookup, and a row never sees another's output)."""
     target, draft_model = tiny_tables(*draft)
-    speculator = speculate.DraftModelSpeculator(draft_model, 2, tree_nodes, ngram=ngram)
+    speculator = draftmodel.DraftModelSpeculator(draft_model, 2, tree_nodes, ngram=ngram)
     rows = [list(prompts[b % len(prompts)]) for b in range(batch)]
     width = max(len(p) for p in rows)
     target.setup_caches(batch, width + 3 + speculator.lookahead + 1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import decode
+import draftmodel
 import generate
 import speculate
 from helpers import DRAWS, PREFIX, PREFIX2, REJECT_BELOW, copy_checkpoint, lossless_pvalues
@@ -62,7 +63,7 @@ def test_rows_equal_each_prompt_alone(random_target, near_draft, kind):
     model = generate.load_model(random_target)
     draft = generate.load_model(near_draft) if draft_name else None
     eager = decode.Engine(model)
-    check_rows(eager, eager, speculate.make_drafter(draft, k, nodes, ngram, model.args.block_size))
+    check_rows(eager, eager, draftmodel.make_drafter(draft, k, nodes, ngram, model.args.block_size))
 
 
 def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target, near_draft):
@@ -73,7 +74,7 @@ def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target
     torch._dynamo.reset()
     engine = decode.compile_engine(model, "cpu", compile_prefill=True)
     for kind, (draft_name, k, nodes, ngram) in KINDS.items():
-        drafter = speculate.make_drafter(draft if draft_name else None, k, nodes, ngram, model.args.block_size)
+        drafter = draftmodel.make_drafter(draft if draft_name else None, k, nodes, ngram, model.args.block_size)
         drafter.compile("cpu")
         before, after = check_rows(engine, eager, drafter)
         assert after == before, f"{kind}: {after - before} graphs compiled after warm-up"
@@ -87,7 +88,7 @@ def test_speculate_k_auto_falls_back_to_plain_when_speculation_is_slower(random_
     want = alone(engine, BATCH, 30)
     for plain_step, switched in ((1e-9, True), (1e9, False)):  # plain decoding made to look faster, then slower
         monkeypatch.setattr(speculate.TreeSpeculator, "plain_step_seconds", staticmethod(lambda *a: plain_step))
-        drafter = speculate.make_drafter(draft, "auto", None, 0, model.args.block_size)
+        drafter = draftmodel.make_drafter(draft, "auto", None, 0, model.args.block_size)
         got, stats = generate.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
                                        stop_at_eos=False, drafter=drafter)
         assert got == want

@@ -1,14 +1,14 @@
-"""The layout: imports flow one way, model <- tokenizer, quantize, tp, decode <- speculate <- crossdraft <- generate
-<- scripts, tests; nothing but scripts and tests imports generate.py."""
+"""The layout: imports flow one way, model <- tokenizer, quantize, tp, decode <- speculate <- draftmodel, crossdraft
+<- generate <- scripts, tests; nothing but scripts and tests imports generate.py."""
 import ast
 import subprocess
 import sys
 
 from helpers import ROOT
 
-LIBRARY = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "crossdraft"]
+LIBRARY = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "draftmodel", "crossdraft"]
 # each imports only earlier ones
-ORDER = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "crossdraft", "generate"]
+ORDER = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "draftmodel", "crossdraft", "generate"]
 
 
 def top_level_imports(path) -> set:

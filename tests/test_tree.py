@@ -1,6 +1,6 @@
-"""Token-tree verification (speculate.py): one forward over a token tree gives each node the logits of its
-own branch; compacting the KV cache after a non-contiguous accepted path leaves the target's and the
-draft's caches as if that path had been decoded normally; tree and n-gram drafting give plain greedy
+"""Token-tree verification (speculate.py, draftmodel.py): one forward over a token tree gives each node the
+logits of its own branch; compacting the KV cache after a non-contiguous accepted path leaves the target's and
+the draft's caches as if that path had been decoded normally; tree and n-gram drafting give plain greedy
 output; and multi-candidate (sibling) verification samples exactly from the target.
 """
 import math
@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+import draftmodel
 import generate
 import speculate
 from decode import Sampling
@@ -115,8 +116,8 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     and the accepted path read as one sequence."""
     draft, fresh = generate.load_model(random_draft), generate.load_model(random_draft)
     fresh.setup_caches(1, 64)
-    monkeypatch.setattr(speculate, "GREEDY_RANK_TEMPERATURE", 0.05)  # a random draft is flat: rank deep nodes high
-    speculator = speculate.DraftModelSpeculator(draft, 3, 9)
+    monkeypatch.setattr(draftmodel, "GREEDY_RANK_TEMPERATURE", 0.05)  # a random draft is flat: rank deep nodes high
+    speculator = draftmodel.DraftModelSpeculator(draft, 3, 9)
     speculator.tree = None  # depth by depth on the host (the one-graph tree grows the same tree: test below)
     assert speculator.width == 3
     prompt = [1, 17, 33, 250, 7, 90]
@@ -125,7 +126,7 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
 
     def recorded(model, x, input_pos, slots, mask, width, last):
         calls.append((x, model(x, input_pos, slots, mask)))
-        return speculate.greedy_candidates(calls[-1][1][:, -1] if last else calls[-1][1].flatten(0, 1), width)
+        return draftmodel.greedy_candidates(calls[-1][1][:, -1] if last else calls[-1][1].flatten(0, 1), width)
 
     speculator.candidates = recorded
     pos, root = len(prompt), 42
@@ -156,9 +157,9 @@ def test_one_graph_tree_equals_the_host_tree(near_draft, k, nodes, sampling):
     """draft_tree (a tree's K draft forwards in one call, one graph when compiled) grows the tree that draft() grows
     depth by depth on the host: the same tokens, parents, acceptance-table cells, draft slots and (sampled, same
     seed: the same draws) proposals, step after step as accepted paths compact the cache and the table learns."""
-    speculators = [speculate.DraftModelSpeculator(generate.load_model(near_draft), k, nodes) for _ in range(2)]
+    speculators = [draftmodel.DraftModelSpeculator(generate.load_model(near_draft), k, nodes) for _ in range(2)]
     speculators[1].tree = None  # the host path
-    assert speculators[0].tree is speculate.draft_tree
+    assert speculators[0].tree is draftmodel.draft_tree
     prompt, rng = [1, 17, 33, 250, 7, 90], random.Random(k)
     for speculator in speculators:
         speculator.start([prompt], 96)
@@ -192,7 +193,7 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
     model's on the prefix and the accepted branch read as one sequence."""
     draft, fresh = generate.load_model(random_draft), generate.load_model(random_draft)
     fresh.setup_caches(1, 64)
-    speculator = speculate.DraftModelSpeculator(draft, 3, 16, ngram=2)
+    speculator = draftmodel.DraftModelSpeculator(draft, 3, 16, ngram=2)
     prompt = [1, 17, 33, 250, 42, 5, 6, 7, 90, 11]
     speculator.start([prompt], 64)
     pos, root = len(prompt), 42  # the lookup proposes 5, 6, 7: what followed 42 before
@@ -208,7 +209,7 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
 
     def recorded(model, x, input_pos, slots, mask, width, last):
         reads.append((x, model(x, input_pos, slots, mask)))
-        return speculate.greedy_candidates(reads[-1][1][:, -1] if last else reads[-1][1].flatten(0, 1), width)
+        return draftmodel.greedy_candidates(reads[-1][1][:, -1] if last else reads[-1][1].flatten(0, 1), width)
 
     speculator.candidates = recorded
     sequence, root = prompt + [42, 5, 6, 7], 99
@@ -273,11 +274,11 @@ def test_greedy_merged_tree_identical_to_plain_decoding(random_target, near_draf
 def test_acceptance_table_learns_which_children_the_verifier_accepts():
     """The draft prefers token 0 then 1, but the verifier keeps taking its second guess: after a few
     dozen steps the second child outranks the first, with estimates near the observed rates."""
-    table = speculate.AcceptanceTable(width=2)
+    table = draftmodel.AcceptanceTable(width=2)
     logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
 
     def children():
-        return table.rank(*speculate.greedy_candidates(logits, 2))
+        return table.rank(*draftmodel.greedy_candidates(logits, 2))
 
     [(first, second)] = children()
     assert (first[0], second[0]) == (0, 1) and first[1] > second[1]  # before any evidence: the draft's order
@@ -313,9 +314,9 @@ def test_ngram_greedy_identical_to_plain_decoding(random_target, extra, prompt):
 
 FAR_DRAFT = (1.0, 4.0)  # noise and sharpening of the draft (helpers.tiny_tables)
 
-real_sampled_children = speculate.DraftModelSpeculator.sampled_children
-real_sampled_candidates = speculate.sampled_candidates
-real_tree_children = speculate.tree_children
+real_sampled_children = draftmodel.DraftModelSpeculator.sampled_children
+real_sampled_candidates = draftmodel.sampled_candidates
+real_tree_children = draftmodel.tree_children
 real_without = speculate.without
 
 
@@ -380,7 +381,10 @@ def test_sampled_tree_is_lossless(case, monkeypatch):
     monkeypatch.setattr(speculate, "verify", watched_verify)
     if breakage is not None:
         name, broken = breakage
-        monkeypatch.setattr(speculate.DraftModelSpeculator if name == "sampled_children" else speculate, name, broken)
+        # `without` serves both the draws (draftmodel) and the verifier (speculate); the rest live in draftmodel
+        owners = {"sampled_children": [draftmodel.DraftModelSpeculator], "without": [draftmodel, speculate]}
+        for owner in owners.get(name, [draftmodel]):
+            monkeypatch.setattr(owner, name, broken)
     pvalues, accept_counts = lossless_pvalues(6, sampling, ngram, draft=draft)
     if breakage is None:
         assert min(pvalues.values()) > REJECT_BELOW, pvalues
