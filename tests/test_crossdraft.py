@@ -171,23 +171,29 @@ def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
 
 
 
+def primed_drafters(random_target, noisy_draft, whole_graph: bool):
+    """Two cross-tokenizer drafters (K = 3) of the same draft, the first compiled, each having read "def main(x):" in
+    its own tokens but the last; returns them, that last token [1, 1], its position [1, 1] and the target's vocabulary
+    size."""
+    target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
+    vocab = generate.load_model(random_target).args.vocab_size
+    drafters = [crossdraft.make_drafter(generate.load_model(noisy_draft), draft_tok, target_tok, vocab, 3, None, 0,
+                                        1, False) for _ in range(2)]
+    drafters[0].compile("cpu", whole_graph=whole_graph)
+    ids = torch.tensor([draft_tok.encode_prompt("def main(x):")])  # [1, T]
+    for d in drafters:
+        d.draft_model.setup_caches(1, 64)
+        d.draft_model(ids[:, :-1], torch.arange(ids.shape[1] - 1).view(1, -1))
+    return drafters, ids[:, -1:], torch.tensor([[ids.shape[1] - 1]]), vocab
+
+
 @pytest.mark.parametrize("whole_graph", [False, True], ids=["regional", "whole-graph"])
 def test_compiled_tli_step_gives_the_eager_proposal(random_target, noisy_draft, whole_graph):
     """The sampled draft step compiled (the whole step as one graph, or the regional forward then the rest) hands
     the verifier the same q_T as the eager step, draws only tokens of the intersection, and q_T is a distribution
     over the target's vocabulary."""
-    target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
-    draft, eager_draft = generate.load_model(noisy_draft), generate.load_model(noisy_draft)
-    vocab = generate.load_model(random_target).args.vocab_size
-    drafters = [crossdraft.make_drafter(model, draft_tok, target_tok, vocab, 3, None, 0, 1, False)
-                for model in (draft, eager_draft)]
-    drafters[0].compile("cpu", whole_graph=whole_graph)
+    drafters, x, pos, vocab = primed_drafters(random_target, noisy_draft, whole_graph)
     sampling = Sampling(0.8, top_k=50)
-    ids = torch.tensor([draft_tok.encode_prompt("def main(x):")])
-    for d in drafters:
-        d.draft_model.setup_caches(1, 64)
-        d.draft_model(ids[:, :-1], torch.arange(ids.shape[1] - 1).view(1, -1))
-    x, pos = ids[:, -1:], torch.tensor([[ids.shape[1] - 1]])
     with torch.no_grad():
         got = [d.tli_step(d.tli_forward, x, pos, sampling, d.in_both, d.shared_draft, d.shared_target, vocab)
                for d in drafters for _ in range(20)]
@@ -231,18 +237,8 @@ def test_chain_in_one_call_drafts_what_k_steps_draft(random_target, noisy_draft,
 def test_compiled_chain_proposals_are_those_of_its_draws(random_target, noisy_draft):
     """The K sampled draft steps compiled as one graph: each q_T handed to the verifier is the eager step's q_T in the
     context of the graph's own earlier draws, and every draw is a token of the intersection."""
-    target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
-    vocab = generate.load_model(random_target).args.vocab_size
-    drafters = [crossdraft.make_drafter(generate.load_model(noisy_draft), draft_tok, target_tok, vocab, 3, None, 0,
-                                        1, False) for _ in range(2)]
-    drafters[0].compile("cpu", whole_graph=True)
+    (compiled, eager), x, pos, vocab = primed_drafters(random_target, noisy_draft, whole_graph=True)
     sampling = Sampling(0.8, top_k=50)
-    ids = torch.tensor([draft_tok.encode_prompt("def main(x):")])
-    for d in drafters:
-        d.draft_model.setup_caches(1, 64)
-        d.draft_model(ids[:, :-1], torch.arange(ids.shape[1] - 1).view(1, -1))
-    compiled, eager = drafters
-    x, pos = ids[:, -1:], torch.tensor([[ids.shape[1] - 1]])
     shared = (compiled.in_both, compiled.shared_draft, compiled.shared_target, vocab)
     with torch.no_grad():
         drawn, proposals = compiled.chain(compiled.tli_forward, x, pos, sampling, 3, *shared)  # [1, 3], [1, 3, V]
