@@ -29,10 +29,11 @@ from tokenizer import get_tokenizer  # noqa: E402
 
 
 def time_batches(engine, drafters: dict, prompts: list, new_tokens: int, sampling, repeats: int) -> dict:
-    """name -> (total tokens/s, rows of the last run, stats of the last run), configurations taking turns."""
+    """name -> (total tokens/s, rows of the last run, stats of the last run), configurations taking turns, in
+    reversed order every other turn (running first in a turn measured a few percent faster than running second)."""
     best, last = {name: float("inf") for name in drafters}, {}
     for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
-        for name, drafter in drafters.items():
+        for name, drafter in list(drafters.items())[::1 if turn % 2 else -1]:
             torch.manual_seed(0)
             start = time.perf_counter()
             rows, stats = generate.generate(engine, [list(p) for p in prompts], new_tokens, sampling, eos_ids=[],
