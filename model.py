@@ -334,8 +334,9 @@ class Linear(nn.Linear):
     EPYC this project measures on, MKL's float32 GEMM is 1.6-2.8x slower than oneDNN's at 6-17 rows (the 6- and
     17-token verify forwards of the tiny target ran 1.9x and 1.6x faster; on a 2-core AVX2 EPYC MKL takes about
     twice as long for 2 rows as for 1, oneDNN 1.0-1.3x); one row keeps F.linear (MKL, or inductor's own
-    kernels), whose weight stays the parameter: state dicts, tied weights and sharding see nothing else. The packed copy costs the weight's memory once more. The same products, summed in another
-    order: float32 rounding apart, the same results."""
+    kernels), whose weight stays the parameter: state dicts, tied weights and sharding see nothing else. The
+    packed copy costs the weight's memory once more. The same products, summed in another order: float32
+    rounding apart, the same results."""
     packed: Optional[Tensor] = None
     freezing_packs_faster = False  # a frozen whole graph multiplies faster without the packed copy (see below)
 
