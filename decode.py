@@ -150,6 +150,9 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     # one shape per graph: decode [B, 1], each tree size of the target and the draft, a shared block for all
     # models of one width; past the default of 8 graphs per function a fullgraph compile would raise
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # a Python float argument (the temperature, top-p) is a constant of its graph: traced as a symbolic float, it
+    # makes inductor give up and dynamo trace the whole function again (seconds per graph)
+    torch._dynamo.config.specialize_float = True
     whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=model.args.n_layer)
     if not whole_graph:
         return compile_regions(model, compile_prefill)

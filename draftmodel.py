@@ -97,9 +97,10 @@ class AcceptanceTable:
                 for row in zip(tokens.tolist(), scores.tolist(), cells.tolist(), keep.tolist())]
 
     def counts(self):
-        """(accepted, reached) per cell as float64 tensors, and the prior's weight w as a 0-d tensor."""
+        """(accepted, reached) per cell as float64 tensors, and the prior's weight w as a 1-element tensor (a 0-d
+        one would enter a compiled graph as a Python float, which costs dynamo a second trace)."""
         return (torch.tensor(self.accepted, dtype=torch.double), torch.tensor(self.reached, dtype=torch.double),
-                torch.tensor(self.PRIOR_WEIGHT * self.unit, dtype=torch.double))
+                torch.tensor([self.PRIOR_WEIGHT * self.unit], dtype=torch.double))
 
     def lookup(self, share: float):
         """(log-estimate, cell) of a child that continues `share` of the n-gram lookup's occurrences."""

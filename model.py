@@ -465,7 +465,10 @@ class Transformer(nn.Module):
             attn.kv_cache = KVCache(max_batch_size, max_seq_length, attn.n_local_heads, attn.head_dim, dtype).to(device)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         positions = max(max_seq_length, self.args.block_size)
-        self.register_buffer("rope_table", precompute_rope(self.args, positions).to(device), persistent=False)
+        table = getattr(self, "rope_table", None)
+        if table is None or table.shape[0] < positions or table.device != device:  # kept otherwise: a new table
+            # object would make every compiled graph that reads it (its guards check the object) compile again
+            self.register_buffer("rope_table", precompute_rope(self.args, positions).to(device), persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None,
                 mask: Optional[Tensor] = None, block=None) -> Tensor:

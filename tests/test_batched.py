@@ -73,6 +73,7 @@ def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target
     eager = decode.Engine(model)
     torch._dynamo.reset()
     engine = decode.compile_engine(model, "cpu", compile_prefill=True)
+    model.setup_caches(len(BATCH), model.args.block_size)  # once for every kind, as generate.main does for a run
     for kind, (draft_name, k, nodes, ngram) in KINDS.items():
         drafter = draftmodel.make_drafter(draft if draft_name else None, k, nodes, ngram, model.args.block_size)
         drafter.compile("cpu")
