@@ -94,6 +94,26 @@ def test_forward_with_fewer_rows_than_the_cache_was_set_up_for():
     assert_close(got, expected)
 
 
+def test_a_larger_cache_keeps_the_rope_table_it_can_use():
+    """setup_caches for more rows or positions keeps the RoPE table object while it covers the positions (a new
+    object would make compiled graphs that read it compile again), and builds a longer one past block_size,
+    whose logits equal those of a model that built it at once."""
+    model = tiny_model(**SHAPES["gqa"])
+    model.setup_caches(1, 16)
+    table = model.rope_table
+    model.setup_caches(3, model.args.block_size)
+    assert model.rope_table is table
+    ids = tokens(model.args.block_size + 8)
+    model.setup_caches(1, ids.shape[1])
+    assert model.rope_table is not table and model.rope_table.shape[0] >= ids.shape[1]
+    torch.testing.assert_close(model.rope_table[:table.shape[0]], table)
+    fresh = tiny_model(**SHAPES["gqa"])
+    fresh.setup_caches(1, ids.shape[1])
+    with torch.no_grad():
+        assert_close(model(ids, torch.arange(ids.shape[1]).unsqueeze(0)),
+                     fresh(ids, torch.arange(ids.shape[1]).unsqueeze(0)))
+
+
 @pytest.mark.parametrize("shape", ["gqa", "tied-llama3"])
 def test_tree_mask_gives_each_node_the_logits_of_its_branch(shape):
     """Token-tree verification: nodes at positions prefix + depth, each seeing the prefix and its ancestors."""
