@@ -169,9 +169,11 @@ def tree_children(logits: Tensor, sampling: Sampling, width: int, accepted: Tens
 
 
 def draft_tree(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: int, width: int, accepted: Tensor,
-               reached: Tensor, weight: Tensor):
-    """The dynamic tree of every row in one graph (DraftModelSpeculator.compile): the tree that
-    DraftModelSpeculator.draft grows depth by depth on the host (without lookups), K forwards and no host sync.
+               reached: Tensor, weight: Tensor, root=None, step=None):
+    """The dynamic tree of every row with no host sync: the tree that DraftModelSpeculator.draft grows depth by depth
+    on the host (without lookups). K forwards: tree_root(), then tree_depth() once per later depth on fixed-shape
+    buffers, so that compiled (DraftModelSpeculator.compile) they are two graphs whatever K, not K unrolled forwards
+    in one graph (which took inductor about a minute on 2 cores for K = 5).
     x, input_pos [B, 2]: the token before the root and the root, at slots pos - 1 and pos; accepted, reached,
     weight: the acceptance table's counts (AcceptanceTable.counts).
 
@@ -189,49 +191,83 @@ def draft_tree(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: i
     At temperature > 0 the children are tree_children()'s draws without replacement, scored only by what was known
     before they were drawn, as DraftModelSpeculator.sampled_children explains: the same tree, the same draws
     (eager, same seed), hence lossless for the same reason."""
+    state = (root or tree_root)(model, x, input_pos, sampling, depth, width, accepted, reached, weight)
+    pos = input_pos[:, -1:]  # [B, 1] the root's slot
+    for d in range(1, depth):  # the depth as a tensor: one graph serves every depth
+        state = (step or tree_depth)(model, state, torch.tensor([d], device=x.device), pos, sampling, depth, width,
+                                     accepted, reached, weight)
+    all_tokens, all_parents, all_cells, all_scores, rows, slots, _, _, qs = state
+    size = all_tokens.shape[1]
+    ranked = torch.sort(all_scores[:, 1:size], dim=-1, descending=True, stable=True).indices + 1  # [B, M - 1]
+    nodes = torch.stack([all_tokens, all_parents, all_cells, slots, (all_scores[:, :size] > -math.inf).long(), rows],
+                        1)  # [B, 6, M]
+    return ranked, nodes, qs
+
+
+def tree_root(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: int, width: int, accepted: Tensor,
+              reached: Tensor, weight: Tensor):
+    """draft_tree's first forward: the root's children, and the buffers tree_depth() fills, each [B, M] in the
+    candidates' order: tokens, parents, cells, scores (one more column, -inf, that padding of `newest` points at),
+    rows of qs, draft slots; newest [B, width^2]: the latest depth's candidates (the root's children, then padding);
+    seen [B, width, span]: the tree slots each frontier node sees; qs [B, R, V] (None at temperature 0)."""
     batch, device = x.shape[0], x.device
     span = max(depth - 1, 1) * width  # the draft-cache slots after the root that frontier nodes are read at
     size = 1 + width + (depth - 1) * width * width
     pos = input_pos[:, -1:]  # [B, 1] the root's slot
     tokens, scores, cells, q = tree_children(model(x, input_pos)[:, -1], sampling, width, accepted, reached, weight)
-    qs = [q]  # [B, V], then [B, width, V] per depth: the distributions the children were drawn from (sampled)
-    rows = [torch.full_like(pos, -1), torch.zeros_like(tokens)]  # each candidate's row of qs (its parent's)
+    rest = torch.zeros(batch, size - 1 - width, dtype=tokens.dtype, device=device)  # filled by tree_depth()
     root = torch.full_like(pos, -1)
-    all_tokens, all_parents, all_cells = [x[:, -1:], tokens], [root, torch.zeros_like(tokens)], [root, cells]
-    all_scores = torch.cat([torch.zeros_like(scores[:, :1]), scores], 1)  # [B, 1 + width]
+    all_tokens = torch.cat([x[:, -1:], tokens, rest], 1)  # [B, M]
+    all_parents = torch.cat([root, torch.zeros_like(tokens), rest], 1)
+    all_cells = torch.cat([root, cells, rest], 1)
+    rows = torch.cat([root, torch.zeros_like(tokens), rest], 1)  # each candidate's row of qs (its parent's)
+    all_scores = torch.cat([torch.zeros_like(scores[:, :1]), scores,
+                            torch.full((batch, size - width), -math.inf, dtype=scores.dtype, device=device)], 1)
     slots = torch.cat([pos, torch.full((batch, size - 1), -1, dtype=pos.dtype, device=device)], 1)  # [B, M]
-    newest = torch.arange(1, 1 + width, device=device).expand(batch, width)  # [B, n]: the latest depth's nodes
-    seen = torch.zeros(batch, width, span, dtype=torch.bool, device=device)  # tree slots each frontier node sees
+    newest = torch.cat([torch.arange(1, 1 + width, device=device),
+                        torch.full((width * width - width,), size, device=device)]).expand(batch, -1)
+    seen = torch.zeros(batch, width, span, dtype=torch.bool, device=device)
+    qs = None
+    if q is not None:  # the root's distribution, then each frontier node's [B, 1 + (K - 1) * width, V]
+        qs = torch.cat([q.unsqueeze(1), q.new_zeros(batch, (depth - 1) * width, q.shape[-1])], 1)
+    return all_tokens, all_parents, all_cells, all_scores, rows, slots, newest, seen, qs
+
+
+def tree_depth(model, state: tuple, d: Tensor, pos: Tensor, sampling: Sampling, depth: int, width: int,
+               accepted: Tensor, reached: Tensor, weight: Tensor):
+    """One later forward of draft_tree: expand the `width` best of the newest candidates (a stable sort: ties to the
+    earlier; padding scores -inf and sorts after them), give each `width` children. d [1]: the depth expanded."""
+    all_tokens, all_parents, all_cells, all_scores, rows, slots, newest, seen, qs = state
+    batch, device = all_tokens.shape[0], all_tokens.device
+    span = seen.shape[-1]
+    order = torch.sort(all_scores.gather(1, newest), dim=-1, descending=True, stable=True).indices[:, :width]
+    frontier = newest.gather(1, order)  # [B, width]
+    first = (d - 1) * width  # [1]: the frontier's first slot after the root, minus one
+    read_at = pos + 1 + first + torch.arange(width, device=device)  # [B, width]
+    slots = slots.scatter(1, frontier, read_at)
+    parent = order // width  # each one's parent's place in the last frontier (depth 1: the root's, all 0)
+    own = torch.arange(span, device=device) == first + torch.arange(width, device=device).view(-1, 1)  # [width, S']
+    seen = seen.gather(1, parent.unsqueeze(-1).expand(-1, -1, span)) | own  # [B, width, span]
     cache_slots = torch.arange(model.max_seq_length, device=device)  # [S]
     offset = (cache_slots - (pos + 1)).clamp(0, span - 1).unsqueeze(1).expand(batch, width, -1)  # [B, width, S]
     after_root = ((cache_slots > pos) & (cache_slots <= pos + span)).unsqueeze(1)  # [B, 1, S]
-    for d in range(1, depth):
-        order = torch.sort(all_scores.gather(1, newest), dim=-1, descending=True, stable=True).indices[:, :width]
-        frontier = newest.gather(1, order)  # [B, width]
-        first = (d - 1) * width  # the frontier's first slot after the root, minus one
-        read_at = pos + 1 + first + torch.arange(width, device=device)  # [B, width]
-        slots = slots.scatter(1, frontier, read_at)
-        parent = order // width if d > 1 else torch.zeros_like(order)  # each one's parent's place in the last frontier
-        own = torch.arange(span, device=device) == first + torch.arange(width, device=device).view(-1, 1)  # [width, S']
-        seen = seen.gather(1, parent.unsqueeze(-1).expand(-1, -1, span)) | own  # [B, width, span]
-        mask = (cache_slots <= pos).unsqueeze(1) | (seen.gather(2, offset) & after_root)  # [B, width, S]
-        fed = torch.cat(all_tokens, 1).gather(1, frontier)  # [B, width]
-        logits = model(fed, (pos + d).expand(batch, width), read_at, mask.unsqueeze(1))  # [B, width, V]
-        tokens, scores, cells, q = tree_children(logits.flatten(0, 1), sampling, width, accepted, reached,
-                                                 weight)  # [B * width, width] each, q [B * width, V]
-        qs.append(q.view(batch, width, -1) if q is not None else None)  # [B, width, V]
-        rows.append((1 + first + torch.arange(width, device=device)).repeat_interleave(width).expand(batch, -1))
-        all_tokens.append(tokens.view(batch, width * width))
-        all_parents.append(frontier.repeat_interleave(width, 1))  # [B, width * width]
-        all_cells.append(cells.view(batch, width * width))
-        below = all_scores.gather(1, frontier).unsqueeze(-1) + scores.view(batch, width, width)  # [B, width, width]
-        newest = all_scores.shape[1] + torch.arange(width * width, device=device).expand(batch, -1)
-        all_scores = torch.cat([all_scores, below.view(batch, width * width)], 1)
-    ranked = torch.sort(all_scores[:, 1:], dim=-1, descending=True, stable=True).indices + 1  # [B, M - 1]
-    nodes = torch.stack([torch.cat(all_tokens, 1), torch.cat(all_parents, 1), torch.cat(all_cells, 1), slots,
-                         (all_scores > -math.inf).long(), torch.cat(rows, 1)], 1)  # [B, 6, M]
-    sampled = sampling.temperature > 0
-    return ranked, nodes, torch.cat([qs[0].unsqueeze(1)] + qs[1:], 1) if sampled else None  # [B, R, V]
+    mask = (cache_slots <= pos).unsqueeze(1) | (seen.gather(2, offset) & after_root)  # [B, width, S]
+    fed = all_tokens.gather(1, frontier)  # [B, width]
+    logits = model(fed, (pos + d).expand(batch, width), read_at, mask.unsqueeze(1))  # [B, width, V]
+    tokens, scores, cells, q = tree_children(logits.flatten(0, 1), sampling, width, accepted, reached,
+                                             weight)  # [B * width, width] each, q [B * width, V]
+    new = (1 + width + first * width + torch.arange(width * width, device=device)).expand(batch, -1)  # [B, width^2]
+    if qs is not None:
+        at = (1 + first + torch.arange(width, device=device)).view(1, width, 1).expand(batch, width, qs.shape[-1])
+        qs = qs.scatter(1, at, q.view(batch, width, -1))  # [B, R, V]
+    rows = rows.scatter(1, new, (1 + first + torch.arange(width, device=device)).repeat_interleave(width)
+                        .expand(batch, -1))
+    all_tokens = all_tokens.scatter(1, new, tokens.view(batch, width * width))
+    all_parents = all_parents.scatter(1, new, frontier.repeat_interleave(width, 1))  # [B, width * width]
+    all_cells = all_cells.scatter(1, new, cells.view(batch, width * width))
+    below = all_scores.gather(1, frontier).unsqueeze(-1) + scores.view(batch, width, width)  # [B, width, width]
+    all_scores = all_scores.scatter(1, new, below.view(batch, width * width))
+    return all_tokens, all_parents, all_cells, all_scores, rows, slots, new, seen, qs
 
 
 class DraftModelSpeculator(TreeSpeculator):
@@ -280,8 +316,10 @@ class DraftModelSpeculator(TreeSpeculator):
         if whole_graph:
             if self.chain is not None:  # one graph, one host sync, one CUDA graph for K tokens
                 self.chain = torch.compile(draft_chain, mode=mode, fullgraph=True, dynamic=False)
-            if self.tree is not None:
-                self.tree = torch.compile(draft_tree, mode=mode, fullgraph=True, dynamic=False)
+            if self.tree is not None:  # two graphs: the first depth, and one for every later depth
+                self.tree = functools.partial(
+                    draft_tree, root=torch.compile(tree_root, mode=mode, fullgraph=True, dynamic=False),
+                    step=torch.compile(tree_depth, mode=mode, fullgraph=True, dynamic=False))
             self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
             self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
             if compile_prefill:
