@@ -1,5 +1,5 @@
 """A draft model as the drafter: chains and EAGLE-2-style dynamic token trees, their per-step work as tensor
-functions compiled as one graph (draft_chain, draft_tree), the acceptance table that ranks tree nodes, and
+functions compiled into few graphs (draft_chain: one; draft_tree: two), the acceptance table that ranks tree nodes, and
 make_drafter, which picks the drafter for the command line's settings. The loop, the verifier and the n-gram
 lookup they share live in speculate.py.
 """
@@ -299,8 +299,8 @@ class DraftModelSpeculator(TreeSpeculator):
         # a fixed-depth chain's K draft steps in one call (draft_chain), compiled as one graph where the draft compiles
         # whole; None: step by step through read() (trees, --speculate_k auto, a regionally compiled draft)
         self.chain = draft_chain if self.width == 1 and not auto_depth else None
-        # likewise a greedy tree without lookups (draft_tree); None: depth by depth on the host (sampled trees, merged
-        # lookups, a regionally compiled draft)
+        # likewise a tree without lookups (draft_tree: two graphs, the first depth's and the later depths'), greedy
+        # or sampled; None: depth by depth on the host (merged lookups, a regionally compiled draft)
         self.tree = draft_tree if self.width > 1 and not ngram else None
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
         self.pending = []  # per row: accepted tokens not yet in the draft's cache (they come before the next root)
@@ -434,8 +434,8 @@ class DraftModelSpeculator(TreeSpeculator):
         return trees
 
     def draft_tree(self, roots: list, pos: list, contexts: list, sampling: Sampling) -> list:
-        """Every row's tree through the one-graph draft_tree (fed, like draft_chain, each row's token before the root
-        and the root), cut to the tree_nodes best as select() cuts it."""
+        """Every row's tree through draft_tree, no host sync between its depths (fed, like draft_chain, each row's
+        token before the root and the root), cut to the tree_nodes best as select() cuts it."""
         x = torch.tensor([context[-2:] for context in contexts], device=self.device)  # [B, 2]
         input_pos = torch.tensor(pos, device=self.device).view(-1, 1) + torch.arange(-1, 1, device=self.device)
         with sdpa_context():

@@ -118,7 +118,7 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     fresh.setup_caches(1, 64)
     monkeypatch.setattr(draftmodel, "GREEDY_RANK_TEMPERATURE", 0.05)  # a random draft is flat: rank deep nodes high
     speculator = draftmodel.DraftModelSpeculator(draft, 3, 9)
-    speculator.tree = None  # depth by depth on the host (the one-graph tree grows the same tree: test below)
+    speculator.tree = None  # depth by depth on the host (draft_tree grows the same tree: test below)
     assert speculator.width == 3
     prompt = [1, 17, 33, 250, 7, 90]
     speculator.start([prompt], 64)
@@ -154,7 +154,7 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
 @pytest.mark.parametrize("k,nodes", [(3, 9), (4, 16), (2, 5), (1, 3)])
 @torch.no_grad()
 def test_one_graph_tree_equals_the_host_tree(near_draft, k, nodes, sampling):
-    """draft_tree (a tree's K draft forwards in one call, one graph when compiled) grows the tree that draft() grows
+    """draft_tree (a tree's K draft forwards in one call, two graphs when compiled) grows the tree that draft() grows
     depth by depth on the host: the same tokens, parents, acceptance-table cells, draft slots and (sampled, same
     seed: the same draws) proposals, step after step as accepted paths compact the cache and the table learns."""
     speculators = [draftmodel.DraftModelSpeculator(generate.load_model(near_draft), k, nodes) for _ in range(2)]
