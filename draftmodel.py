@@ -168,42 +168,6 @@ def tree_children(logits: Tensor, sampling: Sampling, width: int, accepted: Tens
     return tokens, scores.cummin(-1).values, cells, q
 
 
-def draft_tree(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: int, width: int, accepted: Tensor,
-               reached: Tensor, weight: Tensor, root=None, step=None):
-    """The dynamic tree of every row with no host sync: the tree that DraftModelSpeculator.draft grows depth by depth
-    on the host (without lookups). K forwards: tree_root(), then tree_depth() once per later depth on fixed-shape
-    buffers, so that compiled (DraftModelSpeculator.compile) they are two graphs whatever K, not K unrolled forwards
-    in one graph (which took inductor about a minute on 2 cores for K = 5).
-    x, input_pos [B, 2]: the token before the root and the root, at slots pos - 1 and pos; accepted, reached,
-    weight: the acceptance table's counts (AcceptanceTable.counts).
-
-    Candidates, in the order draft() adds them: the root (index 0), its `width` most probable children, then at
-    each depth d >= 2 `width` children of each frontier node (the `width` best-scored nodes of depth d - 1, best
-    first: a stable sort, ties to the earlier node), M = 1 + width + (depth - 1) * width^2 in all. Frontier node
-    j of depth d is read at slot pos + 1 + (d - 1) * width + j (RoPE position pos + d), seeing the prefix up to
-    the root and the slots of its ancestors. Returns the candidates other than the root best first [B, M - 1]
-    (by score, ties to the earlier: select()'s order, so the first tree_nodes hold each one's parent); per
-    candidate [B, 6, M]: token, parent (-1: the root), cell (-1: the root), draft slot (-1: never read), 1 where
-    it may be kept (0: a candidate of prior 0, which the host path never adds, nor its children), and its row of
-    the distributions it was drawn from; those distributions at temperature > 0 [B, 1 + (K - 1) * width, V]
-    (the root's, then each frontier node's; else None).
-
-    At temperature > 0 the children are tree_children()'s draws without replacement, scored only by what was known
-    before they were drawn, as DraftModelSpeculator.sampled_children explains: the same tree, the same draws
-    (eager, same seed), hence lossless for the same reason."""
-    state = (root or tree_root)(model, x, input_pos, sampling, depth, width, accepted, reached, weight)
-    pos = input_pos[:, -1:]  # [B, 1] the root's slot
-    for d in range(1, depth):  # the depth as a tensor: one graph serves every depth
-        state = (step or tree_depth)(model, state, torch.tensor([d], device=x.device), pos, sampling, depth, width,
-                                     accepted, reached, weight)
-    all_tokens, all_parents, all_cells, all_scores, rows, slots, _, _, qs = state
-    size = all_tokens.shape[1]
-    ranked = torch.sort(all_scores[:, 1:size], dim=-1, descending=True, stable=True).indices + 1  # [B, M - 1]
-    nodes = torch.stack([all_tokens, all_parents, all_cells, slots, (all_scores[:, :size] > -math.inf).long(), rows],
-                        1)  # [B, 6, M]
-    return ranked, nodes, qs
-
-
 def tree_root(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: int, width: int, accepted: Tensor,
               reached: Tensor, weight: Tensor):
     """draft_tree's first forward: the root's children, and the buffers tree_depth() fills, each [B, M] in the
@@ -233,8 +197,8 @@ def tree_root(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: in
     return all_tokens, all_parents, all_cells, all_scores, rows, slots, newest, seen, qs
 
 
-def tree_depth(model, state: tuple, d: Tensor, pos: Tensor, sampling: Sampling, depth: int, width: int,
-               accepted: Tensor, reached: Tensor, weight: Tensor):
+def tree_depth(model, state: tuple, d: Tensor, pos: Tensor, sampling: Sampling, width: int, accepted: Tensor,
+               reached: Tensor, weight: Tensor):
     """One later forward of draft_tree: expand the `width` best of the newest candidates (a stable sort: ties to the
     earlier; padding scores -inf and sorts after them), give each `width` children. d [1]: the depth expanded."""
     all_tokens, all_parents, all_cells, all_scores, rows, slots, newest, seen, qs = state
@@ -268,6 +232,42 @@ def tree_depth(model, state: tuple, d: Tensor, pos: Tensor, sampling: Sampling, 
     below = all_scores.gather(1, frontier).unsqueeze(-1) + scores.view(batch, width, width)  # [B, width, width]
     all_scores = all_scores.scatter(1, new, below.view(batch, width * width))
     return all_tokens, all_parents, all_cells, all_scores, rows, slots, new, seen, qs
+
+
+def draft_tree(model, x: Tensor, input_pos: Tensor, sampling: Sampling, depth: int, width: int, accepted: Tensor,
+               reached: Tensor, weight: Tensor, root=tree_root, step=tree_depth):
+    """The dynamic tree of every row with no host sync: the tree that DraftModelSpeculator.draft grows depth by depth
+    on the host (without lookups). K forwards: tree_root(), then tree_depth() once per later depth on fixed-shape
+    buffers, so that compiled (DraftModelSpeculator.compile) they are two graphs whatever K, not K unrolled forwards
+    in one graph (which took inductor about a minute on 2 cores for K = 5).
+    x, input_pos [B, 2]: the token before the root and the root, at slots pos - 1 and pos; accepted, reached,
+    weight: the acceptance table's counts (AcceptanceTable.counts).
+
+    Candidates, in the order draft() adds them: the root (index 0), its `width` most probable children, then at
+    each depth d >= 2 `width` children of each frontier node (the `width` best-scored nodes of depth d - 1, best
+    first: a stable sort, ties to the earlier node), M = 1 + width + (depth - 1) * width^2 in all. Frontier node
+    j of depth d is read at slot pos + 1 + (d - 1) * width + j (RoPE position pos + d), seeing the prefix up to
+    the root and the slots of its ancestors. Returns the candidates other than the root best first [B, M - 1]
+    (by score, ties to the earlier: select()'s order, so the first tree_nodes hold each one's parent); per
+    candidate [B, 6, M]: token, parent (-1: the root), cell (-1: the root), draft slot (-1: never read), 1 where
+    it may be kept (0: a candidate of prior 0, which the host path never adds, nor its children), and its row of
+    the distributions it was drawn from; those distributions at temperature > 0 [B, 1 + (K - 1) * width, V]
+    (the root's, then each frontier node's; else None).
+
+    At temperature > 0 the children are tree_children()'s draws without replacement, scored only by what was known
+    before they were drawn, as DraftModelSpeculator.sampled_children explains: the same tree, the same draws
+    (eager, same seed), hence lossless for the same reason."""
+    state = root(model, x, input_pos, sampling, depth, width, accepted, reached, weight)
+    pos = input_pos[:, -1:]  # [B, 1] the root's slot
+    depths = torch.arange(depth, device=x.device)  # the depth as a tensor: one graph serves every depth
+    for d in range(1, depth):
+        state = step(model, state, depths[d:d + 1], pos, sampling, width, accepted, reached, weight)
+    all_tokens, all_parents, all_cells, all_scores, rows, slots, _, _, qs = state
+    size = all_tokens.shape[1]
+    ranked = torch.sort(all_scores[:, 1:size], dim=-1, descending=True, stable=True).indices + 1  # [B, M - 1]
+    nodes = torch.stack([all_tokens, all_parents, all_cells, slots, (all_scores[:, :size] > -math.inf).long(), rows],
+                        1)  # [B, 6, M]
+    return ranked, nodes, qs
 
 
 class DraftModelSpeculator(TreeSpeculator):
