@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import (Engine, Sampling, compile_engine, decode_one_token, logits_to_probs, sample_from, sdpa_context,
-                    whole_graph_mode)
+from decode import (Engine, Sampling, compile_engine, decode_one_token, graph_options, logits_to_probs, sample_from,
+                    sdpa_context, whole_graph_mode)
 from model import UserError
 from speculate import MAX_TREE_NODES, Stats, Tree, verify_step
 
@@ -118,9 +118,10 @@ class CrossTokenizerSpeculator:
         included)."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
         whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=self.draft_model.args.n_layer)
+        options = graph_options(self.draft_model, device, mode)
         if whole_graph:  # the sampled draft step (forward, warping, TLI's restriction and the draw) as one graph
-            self.tli_step = torch.compile(tli_step, mode=mode, fullgraph=True, dynamic=False)
-            self.chain = torch.compile(cross_chain, mode=mode, fullgraph=True, dynamic=False)  # K steps, one graph
+            self.tli_step = torch.compile(tli_step, fullgraph=True, dynamic=False, **options)
+            self.chain = torch.compile(cross_chain, fullgraph=True, dynamic=False, **options)  # K steps, one graph
         else:  # the draft's regional forward, then the rest
             self.tli_forward = self.engine.forward
             self.chain = None

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from decode import (Engine, Sampling, compile_engine, compiled_region, decode_one_token, exponential_like,
-                    logits_to_probs, run_block, sdpa_context, whole_graph_mode)
+                    graph_options, logits_to_probs, run_block, sdpa_context, whole_graph_mode)
 from model import UserError
 from speculate import MAX_TREE_NODES, Lookup, NgramSpeculator, Tree, TreeSpeculator, move_cache_slots, without
 
@@ -313,15 +313,16 @@ class DraftModelSpeculator(TreeSpeculator):
         compile_prefill."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
         whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=self.draft_model.args.n_layer)
+        options = graph_options(self.draft_model, device, mode)
         if whole_graph:
             if self.chain is not None:  # one graph, one host sync, one CUDA graph for K tokens
-                self.chain = torch.compile(draft_chain, mode=mode, fullgraph=True, dynamic=False)
+                self.chain = torch.compile(draft_chain, fullgraph=True, dynamic=False, **options)
             if self.tree is not None:  # two graphs: the first depth, and one for every later depth
                 self.tree = functools.partial(
-                    draft_tree, root=torch.compile(tree_root, mode=mode, fullgraph=True, dynamic=False),
-                    step=torch.compile(tree_depth, mode=mode, fullgraph=True, dynamic=False))
-            self.candidates = torch.compile(draft_candidates, mode=mode, fullgraph=True, dynamic=False)
-            self.logits = torch.compile(draft_logits, mode=mode, fullgraph=True, dynamic=False)
+                    draft_tree, root=torch.compile(tree_root, fullgraph=True, dynamic=False, **options),
+                    step=torch.compile(tree_depth, fullgraph=True, dynamic=False, **options))
+            self.candidates = torch.compile(draft_candidates, fullgraph=True, dynamic=False, **options)
+            self.logits = torch.compile(draft_logits, fullgraph=True, dynamic=False, **options)
             if compile_prefill:
                 self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
         else:  # regional: the engine's forward runs the compiled block for every layer

@@ -338,11 +338,13 @@ class Linear(nn.Linear):
     packed copy costs the weight's memory once more. The same products, summed in another order: float32
     rounding apart, the same results."""
     packed: Optional[Tensor] = None
-    freezing_packs_faster = False  # a frozen whole graph multiplies faster without the packed copy (see below)
+    # set by decode.compile_engine for frozen whole graphs on CPU, which multiply with inductor's own kernels on
+    # weights it packs itself: compiled graphs then trace F.linear, eager forwards (the prefill) keep the copy
+    traced_as_f_linear = False
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed is not None and x.numel() > x.shape[-1] \
-                and not (self.freezing_packs_faster and torch.compiler.is_compiling()):
+                and not (self.traced_as_f_linear and torch.compiler.is_compiling()):
             return packed_linear(x, self.packed)
         return F.linear(x, self.weight)
 
@@ -354,24 +356,15 @@ PACK_ROWS = 8  # the row count oneDNN tunes a packed weight for, and onednn_is_f
 
 
 @functools.cache
-def onednn_is_faster(out_features: int, in_features: int, frozen: bool = False) -> bool:
+def onednn_is_faster(out_features: int, in_features: int) -> bool:
     """Whether a float32 CPU product of PACK_ROWS rows with a weight [out, in] runs at least 10% faster on a
-    oneDNN-packed weight than the way it would run otherwise, on this machine: through F.linear (MKL) in an eager
-    or regionally compiled model; in a frozen whole graph (frozen=True) through MKL's own packed GEMM, which
-    inductor's freezing uses for a float32 linear of constant weight (without MKL it packs for oneDNN itself, so
-    a copy of ours gains nothing). Timed once per shape and process (a few milliseconds): the best of 7 turns
-    of 5 calls each, the two taking turns."""
+    oneDNN-packed weight than through F.linear (MKL), on this machine. Timed once per shape and process (a few
+    milliseconds): the best of 7 turns of 5 calls each, the two taking turns."""
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return False
-    if frozen and not torch._C.has_mkl:
         return False
     weight, x = torch.randn(out_features, in_features), torch.randn(PACK_ROWS, in_features)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-    if frozen:
-        mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS)
-        baseline = lambda: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, None, PACK_ROWS)  # noqa: E731
-    else:
-        baseline = lambda: F.linear(x, weight)  # noqa: E731
+    baseline = lambda: F.linear(x, weight)  # noqa: E731
 
     candidates = {"packed": lambda: packed_linear(x, packed), "baseline": baseline}
     best = dict.fromkeys(candidates, float("inf"))
@@ -509,17 +502,6 @@ class Transformer(nn.Module):
             if isinstance(module, Linear) and weight.device.type == "cpu" and weight.dtype == torch.float32 \
                     and onednn_is_faster(*weight.shape):
                 module.pack()  # products of several rows on oneDNN's packed copy (Linear)
-
-    def prefer_freezing_packs(self):
-        """Mark the linears whose oneDNN-packed copy (use_fast_weight_layout) a frozen whole graph would run slower
-        than inductor's own packing of the weight (onednn_is_faster(frozen=True)): compiled graphs then trace
-        F.linear for them, which freezing packs, and eager forwards (the prefill) keep the copy.
-        decode.compile_engine calls this before it compiles a float32 CPU model whole. On the 2-core AVX-512
-        machine of BENCHMARKS.md MKL's packed GEMM beat oneDNN's at every shape of the tiny pair (a 4 x 6-token
-        verify forward ran 1.06x faster, an 8-row decode step 1.12x), while both beat F.linear's unpacked MKL."""
-        for module in self.modules():
-            if isinstance(module, Linear) and module.packed is not None:
-                module.freezing_packs_faster = not onednn_is_faster(*module.weight.shape, frozen=True)
 
     def model_bytes(self) -> int:
         """Bytes of weights read per decoded token (parameters and quantization buffers)."""

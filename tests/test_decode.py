@@ -86,9 +86,32 @@ def test_compiled_verification_forward_equals_eager(random_target, whole_graph):
     torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
 
 
+def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target, tmp_path):
+    """On CPU the whole graphs of a float32 or bf16 model multiply with inductor's C++ GEMM templates without
+    timing them (graph_options); a quantized model keeps the default lowering of its int8 / int4 products, a
+    compile mode (CUDA graphs, autotune) is passed on as it is; the templates' tokens equal eager decoding's."""
+    import quantize
+    model = generate.load_model(random_target)
+    assert decode.graph_options(model, "cpu", None) == {"options": decode.CPP_GEMM_OPTIONS}
+    assert decode.graph_options(model.to(torch.bfloat16), "cpu", None) == {"options": decode.CPP_GEMM_OPTIONS}
+    assert decode.graph_options(model, "cpu", "max-autotune") == {"mode": "max-autotune"}
+    assert decode.graph_options(model, "cuda", None) == {}
+    quantize.apply_quantization_scheme(model, {"mode": "int8"})
+    assert decode.graph_options(model, "cpu", None) == {}
+    from torch._dynamo.utils import counters
+    model = generate.load_model(random_target)
+    prompt = torch.tensor([1, 17, 33, 250, 7, 90])
+    eager = greedy(decode.Engine(model), prompt)
+    torch._dynamo.reset()
+    counters.clear()
+    assert greedy(decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=True), prompt) == eager
+    assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the products are the templates' kernels
+    assert counters["inductor"]["select_algorithm_autotune"] == 0  # and nothing was timed: one choice each
+
+
 def test_autotuned_engine_equals_eager(random_target):
     """--compile_autotune: the whole graph with inductor's autotuned GEMM kernels decodes the eager tokens; the
-    choice of kernels is inductor's alone (no oneDNN-packed copies, model.Linear)."""
+    choice of kernels is inductor's alone (compiled graphs do not use the oneDNN-packed copies, model.Linear)."""
     model = generate.load_model(random_target)
     for module in model.modules():
         if isinstance(module, Linear):
@@ -97,7 +120,7 @@ def test_autotuned_engine_equals_eager(random_target):
     eager = greedy(decode.Engine(model), prompt)
     torch._dynamo.reset()
     engine = decode.compile_engine(model, "cpu", compile_prefill=False, autotune=True)
-    assert all(module.packed is None for module in model.modules() if isinstance(module, Linear))
+    assert all(module.traced_as_f_linear for module in model.modules() if isinstance(module, Linear))
     assert greedy(engine, prompt) == eager
 
 

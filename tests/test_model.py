@@ -282,20 +282,17 @@ def test_onednn_packing_follows_the_measurement_and_keeps_logits(monkeypatch, fa
     assert all(m.packed is None for m in bf16.modules() if isinstance(m, model_module.Linear))
 
 
-@pytest.mark.parametrize("onednn_wins_frozen", [True, False], ids=["onednn-faster-frozen", "mkl-packed-faster"])
-def test_frozen_whole_graphs_trace_f_linear_where_freezing_packs_faster(monkeypatch, onednn_wins_frozen):
-    """compile_engine (whole graph, CPU) marks each packed linear by onednn_is_faster(frozen=True): a marked one is
-    traced as F.linear (which inductor's freezing packs itself) while eager forwards keep the packed copy."""
+def test_frozen_whole_graphs_trace_f_linear(monkeypatch):
+    """compile_engine (whole graph, CPU) marks every packed linear: compiled graphs trace F.linear (which inductor
+    multiplies with its own kernels on weights it packs itself) while eager forwards keep the packed copy."""
     import decode
     import model as model_module
-    monkeypatch.setattr(model_module, "onednn_is_faster",
-                        lambda out_features, in_features, frozen=False: not frozen or onednn_wins_frozen)
+    monkeypatch.setattr(model_module, "onednn_is_faster", lambda out_features, in_features: True)
     model = tiny_model(**SHAPES["gqa"])
     model.use_fast_weight_layout()
     decode.compile_engine(model, "cpu", False, whole_graph=True)  # marks; compiles lazily, on the first call
     linears = [m for m in model.modules() if isinstance(m, model_module.Linear)]
-    assert linears and all(m.packed is not None for m in linears)
-    assert all(m.freezing_packs_faster != onednn_wins_frozen for m in linears)
+    assert linears and all(m.packed is not None and m.traced_as_f_linear for m in linears)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -304,11 +301,14 @@ def test_frozen_whole_graphs_trace_f_linear_where_freezing_packs_faster(monkeypa
 
     model.setup_caches(2, MAX_SEQ)
     ids, input_pos = tokens(3, batch=2), torch.arange(3).expand(2, 3)
+    calls, real = [], model_module.packed_linear
+    monkeypatch.setattr(model_module, "packed_linear", lambda x, packed: calls.append(x.shape) or real(x, packed))
     with torch.no_grad():
         want = model(ids, input_pos)  # eager: the packed copies
+        assert len(calls) == len(linears)
         torch._dynamo.reset()
         assert_close(torch.compile(model, backend=backend, fullgraph=True)(ids, input_pos), want)
-    assert ("packed_linear" in graphs[0]) == onednn_wins_frozen
+    assert "packed_linear" not in graphs[0] and "linear" in graphs[0]
 
 
 def test_onednn_is_faster_is_measured_once_per_shape():
