@@ -59,7 +59,7 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
     greedy = decode.Sampling(0.0)
     read_gbs = bandwidth["read_gbs"]
     reference_ids = None
-    for precision, quant in VARIANTS:
+    for precision, quant in [v for v in VARIANTS if (v[1] or v[0]) in args.variants.split(",")]:
         path = benchlib.quantized_checkpoint(model_pth, quant, args.int4_groupsize) if quant else model_pth
         model = generate.load_model(path, "cpu", decode.PRECISIONS[precision])
         nbytes = model.model_bytes()
@@ -104,7 +104,7 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny_checkpoint", type=Path, default=ROOT / "checkpoints/tiny/target/model.pth",
-                   help="the trained tiny target (scripts/train_tiny.py)")
+                   help="a model.pth (default: the trained tiny target of scripts/train_tiny.py)")
     p.add_argument("--large_model", default="TinyLlama-1.1B", help="known shape of the random-init large model")
     p.add_argument("--large_dir", type=Path, default=None,
                    help="where to keep the large random checkpoint (default: a temporary directory)")
@@ -114,6 +114,7 @@ def main(argv=None):
                    help="comma-separated: eager, regional (the CPU --compile default for deep models), whole "
                         "(--compile_whole_graph, and the default for shallow ones), "
                         "autotune (--compile_autotune)")
+    p.add_argument("--variants", default="fp32,bf16,int8,int4", help="comma-separated: which of ours to run")
     p.add_argument("--prompt_tokens", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--large_new_tokens", type=int, default=24)
@@ -129,7 +130,8 @@ def main(argv=None):
     bandwidth = benchlib.measure_bandwidth()
     print(f"measured: read {bandwidth['read_gbs']:.1f} GB/s, fp32 mat-vec {bandwidth['fp32_matvec_gbs']:.1f} GB/s",
           flush=True)
-    rows = bench_model("tiny", args.tiny_checkpoint, args, bandwidth, with_transformers=True)
+    label = "tiny" if args.tiny_checkpoint.parent.parent.name == "tiny" else args.tiny_checkpoint.parent.name
+    rows = bench_model(label, args.tiny_checkpoint, args, bandwidth, with_transformers=True)
     if not args.skip_large:
         with tempfile.TemporaryDirectory() as tmp:
             large_dir = args.large_dir or Path(tmp) / args.large_model
