@@ -127,10 +127,9 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     replayed as one CUDA graph on GPU (mode="reduce-overhead"). On CPU inductor's freezing then folds the
     weights into the graph as constants and pre-packs them for its own C++ GEMM kernels (graph_options: no
     timing, 1.4-1.9x faster than MKL's on the tiny pair; quantized models keep their int8 / int4 kernels); it
-    applies only to graphs
-    traced without autograd, which is why every generation runs under torch.no_grad(), and such graphs are
-    specialized on the model object, so a target and a draft of the same shape get graphs of their own
-    (tests/test_decode.py checks both modes).
+    applies only to graphs traced without autograd, which is why every generation runs under torch.no_grad(),
+    and such graphs are specialized on the model object, so a target and a draft of the same shape get graphs
+    of their own (tests/test_decode.py checks both modes).
     The price is compile time: a 30-layer model takes a minute or more on a small CPU.
     autotune=True (implies the whole graph): mode="max-autotune". On CPU inductor then times its own C++ GEMM
     templates (weights frozen and pre-packed into its micro-kernels' blocked layout) against ATen's for every
