@@ -12,8 +12,10 @@ file under --text_dir, in sorted order. Every 20th file is held out; the list go
   3. the draft, distilled from the finished target: KL to the target's next-token distribution plus
      cross-entropy on the text (Hinton et al. 2015); a draft that imitates the target is what makes
      speculative decoding accept its tokens
-  4. a draft with a tokenizer of its own (3/4 of the vocabulary, digits kept together), trained as a plain
-     language model on the same text: OUT/draft_othertok, for cross-tokenizer speculation (crossdraft.py)
+  4. a draft with a tokenizer of its own (3/4 of the vocabulary, digits kept together), trained as a language
+     model on the same text and, for most windows, on the target's own continuations of training text
+     (sequence-level distillation, Kim & Rush 2016: across vocabularies the target's text can be imitated, its
+     next-token distribution cannot): OUT/draft_othertok, for cross-tokenizer speculation (crossdraft.py)
   5. evaluation from the written checkpoints: held-out loss of all three, and greedy agreement (how often the
      draft's argmax equals the target's along the target's greedy continuation of held-out prompts)
 Each OUT/{target,draft,draft_othertok} holds config.json (Hugging Face schema), tokenizer.model (the same
@@ -61,6 +63,8 @@ class Preset:
     prompts: int  # greedy agreement: prompts x new tokens
     prompt_len: int
     new_tokens: int
+    imitate_rows: int  # draft_othertok's sequence-level distillation: the target's continuations of this many
+    imitate_tokens: int  # training-text windows of prompt_len tokens, this many tokens each
     threads: int  # 0: torch's default; tiny models run fastest on one
 
 
@@ -70,12 +74,12 @@ PRESETS = {
         target=dict(dim=384, n_layer=5, n_head=6), draft=dict(dim=128, n_layer=2, n_head=2),
         vocab_size=4096, batch_size=8, seq_len=256, long_fraction=0.2, target_steps=360, draft_steps=260,
         target_lr=2e-3, draft_lr=3e-3, distill_weight=0.8, tokenizer_chars=3_000_000, max_chars=0,
-        eval_windows=32, prompts=8, prompt_len=64, new_tokens=64, threads=0),
+        eval_windows=32, prompts=8, prompt_len=64, new_tokens=64, imitate_rows=512, imitate_tokens=192, threads=0),
     "test": Preset(
         target=dict(dim=64, n_layer=2, n_head=2), draft=dict(dim=32, n_layer=1, n_head=1),
         vocab_size=512, batch_size=8, seq_len=64, long_fraction=0.25, target_steps=300, draft_steps=200,
         target_lr=3e-3, draft_lr=3e-3, distill_weight=0.8, tokenizer_chars=200_000, max_chars=600_000,
-        eval_windows=8, prompts=8, prompt_len=16, new_tokens=32, threads=1),
+        eval_windows=8, prompts=8, prompt_len=16, new_tokens=32, imitate_rows=32, imitate_tokens=64, threads=1),
 }
 
 
@@ -208,8 +212,11 @@ def batch_shape(preset: Preset, step: int, steps: int):
     return (max(1, preset.batch_size // 2), 2 * preset.seq_len) if long else (preset.batch_size, preset.seq_len)
 
 
-def train(model, stream, preset: Preset, steps: int, lr: float, seed: int, settings, name: str, teacher=None):
-    """AdamW with linear warmup and cosine decay to 10%; with a teacher, distillation (KL + CE)."""
+def train(model, stream, preset: Preset, steps: int, lr: float, seed: int, settings, name: str, teacher=None,
+          imitate=None):
+    """AdamW with linear warmup and cosine decay to 10%; with a teacher, distillation (KL + CE). imitate: a second
+    stream (the teacher's own text, target_continuations) each window comes from with probability
+    preset.distill_weight."""
     device, dtype = settings.device, settings.autocast_dtype
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -229,8 +236,12 @@ def train(model, stream, preset: Preset, steps: int, lr: float, seed: int, setti
     t0, report_every, running = time.perf_counter(), max(1, steps // 10), []
     for step in range(steps):
         B, T = batch_shape(preset, step, steps)
-        starts = torch.randint(0, len(stream) - T - 1, (B,), generator=gen)
-        chunk = torch.stack([stream[s:s + T + 1] for s in starts.tolist()]).to(device)
+        if imitate is None:
+            sources, starts = [stream] * B, torch.randint(0, len(stream) - T - 1, (B,), generator=gen).tolist()
+        else:
+            sources = [imitate if torch.rand((), generator=gen) < preset.distill_weight else stream for _ in range(B)]
+            starts = [int(torch.randint(0, len(source) - T - 1, (), generator=gen)) for source in sources]
+        chunk = torch.stack([source[s:s + T + 1] for source, s in zip(sources, starts)]).to(device)
         x, y = chunk[:, :-1], chunk[:, 1:]
         use_shape(model, B, T, dtype)
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -256,6 +267,49 @@ def train(model, stream, preset: Preset, steps: int, lr: float, seed: int, setti
                 f"  {time.perf_counter() - t0:.0f}s")
             running = []
     return time.perf_counter() - t0
+
+
+IMITATE_BATCH = 64  # rows the target continues at once
+
+
+@torch.no_grad()
+def target_continuations(target, stream, preset: Preset, device, seed: int) -> list:
+    """The target's own text, for the sequence-level distillation (Kim & Rush 2016) of a draft that cannot be taught
+    the target's next-token distribution because its vocabulary differs: the target continues preset.imitate_rows
+    windows of the training stream (prompt_len tokens each) by imitate_tokens tokens, even rows greedily (what
+    verification at temperature 0 accepts), odd rows drawn at temperature 1 (the target's distribution). Returns each
+    row's ids, prompt and continuation (target ids)."""
+    P, N = preset.prompt_len, preset.imitate_tokens
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - P, (preset.imitate_rows,), generator=gen)
+    rows = []
+    for batch in starts.split(IMITATE_BATCH):
+        x = torch.stack([stream[s:s + P] for s in batch.tolist()]).to(device)  # [b, P]
+        greedy = (torch.arange(len(batch), device=device) % 2 == 0)  # [b]
+        use_shape(target, len(batch), P + N, None)
+        logits, tokens = forward_full(target, x)[:, -1], []
+        for i in range(N):
+            drawn = torch.multinomial(logits.float().softmax(-1).cpu(), 1, generator=gen).view(-1).to(device)
+            tokens.append(torch.where(greedy, logits.argmax(-1), drawn))  # [b]
+            if i + 1 < N:
+                logits = target(tokens[-1].view(-1, 1), torch.full((len(batch), 1), P + i, device=device))[:, -1]
+        rows += torch.cat([x, torch.stack(tokens, 1)], 1).tolist()  # [b, P + N]
+    return rows
+
+
+def retokenize(rows: list, source, dest) -> torch.Tensor:
+    """Rows of `source` ids as one stream of `dest` ids, the same text: the pieces between BOS / EOS (which both
+    tokenizers number alike) decoded and encoded again; each row ends with EOS."""
+    ids = []
+    for row in rows:
+        piece = []
+        for t in row + [EOS_ID]:
+            if t in (BOS_ID, EOS_ID):
+                ids += dest.encode(source.decode(piece)) + [t]
+                piece = []
+            else:
+                piece.append(t)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------- evaluation
@@ -402,11 +456,17 @@ def run(settings, preset: Preset) -> dict:
     seconds["draft"] = train(draft, train_stream, preset, preset.draft_steps, preset.draft_lr,
                              settings.seed + 1, settings, "draft", teacher=target)
     save_checkpoint(out / "draft", configs["draft"], draft, tokenizer_bytes)
+    started = time.perf_counter()
+    continuations = target_continuations(target, train_stream, preset, settings.device, settings.seed + 3)
+    seconds["target_continuations"] = time.perf_counter() - started
+    log(f"target: continued {len(continuations)} training-text windows by {preset.imitate_tokens} tokens each "
+        f"(for draft_othertok) in {seconds['target_continuations']:.0f}s")
     del target, draft
 
     # a draft with a tokenizer of its own, for cross-tokenizer speculation (crossdraft.py): 3/4 of the target's
-    # vocabulary, learned from the same text with digits kept together, so many strings split differently; a plain
-    # language model on its own token stream (distillation needs the target's vocabulary)
+    # vocabulary, learned from the same text with digits kept together, so many strings split differently; a
+    # language model on its own token stream and on the target's continuations (its distribution cannot be
+    # distilled token by token across vocabularies, its text can)
     other_bytes = train_tokenizer(train_corpus, preset.vocab_size * 3 // 4, preset.tokenizer_chars, split_digits=False)
     other_tokenizer = sentencepiece.SentencePieceProcessor(model_proto=other_bytes)
     other_stream = token_stream(other_tokenizer, train_corpus)
@@ -414,9 +474,10 @@ def run(settings, preset: Preset) -> dict:
                                           block_size=2 * preset.seq_len, bos_token_id=BOS_ID, eos_token_ids=[EOS_ID])
     other = build_model(configs["draft_othertok"], settings.seed + 2).to(settings.device)
     log(f"draft_othertok: {param_count(other) / 1e6:.2f}M parameters, its own {other_tokenizer.vocab_size()}-token "
-        f"vocabulary, {preset.draft_steps} steps")
+        f"vocabulary, {preset.draft_steps} steps, {preset.distill_weight:.0%} of the windows from the target's text")
+    imitate = retokenize(continuations, tokenizer, other_tokenizer)
     seconds["draft_othertok"] = train(other, other_stream, preset, preset.draft_steps, preset.draft_lr,
-                                      settings.seed + 2, settings, "draft_othertok")
+                                      settings.seed + 2, settings, "draft_othertok", imitate=imitate)
     save_checkpoint(out / "draft_othertok", configs["draft_othertok"], other, other_bytes)
     del other
 

@@ -40,6 +40,39 @@ def test_draft_with_its_own_tokenizer(trained_pair):
     assert other.decode(other.encode(text)) == target.decode(target.encode(text)) == text
 
 
+def test_target_continuations_for_the_other_vocabulary(trained_pair):
+    """draft_othertok's imitation text: even rows continue their training-text window as the target decodes greedily
+    (generate.py's output, token for token), odd rows are draws (same seed, same rows); retokenize() carries each
+    row's text, byte for byte, into the other vocabulary, BOS / EOS kept."""
+    import dataclasses
+
+    import sentencepiece
+    import train_tiny
+    from decode import Engine, Sampling
+    sp, other = (sentencepiece.SentencePieceProcessor(model_file=str(trained_pair / name / "tokenizer.model"))
+                 for name in ("target", "draft_othertok"))
+    text = (ROOT / "model.py").read_text()
+    stream = train_tiny.token_stream(sp, [(None, text[:3000]), (None, text[3000:6000])])
+    preset = dataclasses.replace(train_tiny.PRESETS["test"], imitate_rows=5, imitate_tokens=9)
+    target = train_tiny.load_checkpoint(trained_pair / "target", torch.device("cpu"))
+    rows = train_tiny.target_continuations(target, stream, preset, torch.device("cpu"), seed=7)
+    P = preset.prompt_len
+    assert len(rows) == 5 and all(len(row) == P + 9 for row in rows)
+    assert rows == train_tiny.target_continuations(target, stream, preset, torch.device("cpu"), seed=7)
+    windows = {tuple(stream[s:s + P].tolist()) for s in range(len(stream) - P + 1)}
+    assert all(tuple(row[:P]) in windows for row in rows)
+    for row in rows[::2]:
+        alone, _ = generate.generate(Engine(target), torch.tensor(row[:P]), 9, Sampling(0.0), [], stop_at_eos=False)
+        assert alone[0] == row[P:]
+    assert any(row[P:] != generate.generate(Engine(target), torch.tensor(row[:P]), 9, Sampling(0.0), [],
+                                            stop_at_eos=False)[0][0] for row in rows[1::2])
+    a, b = sp.encode("x = 12345\n"), sp.encode("  return 'naïve'")
+    converted = train_tiny.retokenize([a + [train_tiny.BOS_ID] + b, b], sp, other).tolist()
+    assert converted == (other.encode("x = 12345\n") + [train_tiny.BOS_ID] + other.encode("  return 'naïve'")
+                         + [train_tiny.EOS_ID] + other.encode("  return 'naïve'") + [train_tiny.EOS_ID])
+    assert other.encode("x = 12345\n") != a
+
+
 def test_checkpoints_load_in_generate(trained_pair):
     stats = generate.main(["--checkpoint_path", str(trained_pair / "target/model.pth"), "--draft_checkpoint_path",
                            str(trained_pair / "draft/model.pth"), "--prompt", "import os\n", "--temperature", "0",
