@@ -146,8 +146,7 @@ def main(argv=None):
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     target, draft = generate.load_model(target_pth), generate.load_model(draft_pth)
     tokenizer = get_tokenizer(args.pair / "target")
-    files, prompts, _ = load_prompts(args.pair, tokenizer, max(sizes), args.prompt_tokens, 64,
-                                     target.args.bos_token_id or 1)
+    files, prompts, _ = load_prompts(args.pair, tokenizer, max(sizes), args.prompt_tokens, 64)
     prompts = [p[: len(p) - 7 * i] for i, p in enumerate(prompts)]  # different lengths, whatever the files
     engine = decode.Engine(target) if args.no_compile else \
         decode.compile_engine(target, "cpu", False, autotune=args.autotune)

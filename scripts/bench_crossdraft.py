@@ -66,8 +66,7 @@ def write_other_tokenizer_draft(pair: Path, seed: int = 0) -> Path:
 
 def hf_tokenizer(tok):
     from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_object=tok.processor, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok.processor, **tok.special_tokens)
 
 
 def main(argv=None):
@@ -101,7 +100,7 @@ def main(argv=None):
     text = "    def parse_args(self, args=None, namespace=None):\n"
     print(f"the same text: target {len(target_tok.encode(text))} tokens, draft {len(draft_tok.encode(text))}; "
           f"vocabularies {target_tok.vocab_size} and {draft_tok.vocab_size}", flush=True)
-    _, prompts, _ = load_prompts(args.pair, target_tok, args.prompts, args.prompt_tokens, 8, target_tok.bos_id)
+    _, prompts, _ = load_prompts(args.pair, target_tok, args.prompts, args.prompt_tokens, 8)
     engine = decode.compile_engine(target, "cpu", False) if compile_ else decode.Engine(target)
     drafter = crossdraft.make_drafter(draft, draft_tok, target_tok, target.args.vocab_size, args.k, None, 0, 1, False)
     if compile_:

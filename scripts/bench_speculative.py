@@ -32,7 +32,7 @@ import draftmodel
 from tokenizer import get_tokenizer
 
 
-def load_prompts(pair: Path, tokenizer, count: int, prompt_tokens: int, copy_tokens: int, bos: int):
+def load_prompts(pair: Path, tokenizer, count: int, prompt_tokens: int, copy_tokens: int):
     files = [Path(p) for p in (pair / "heldout_files.txt").read_text().split()]
     files = [f for f in files if f.is_file() and len(f.read_text()) > 4000][:count]
     if len(files) < count:
@@ -45,14 +45,14 @@ def load_prompts(pair: Path, tokenizer, count: int, prompt_tokens: int, copy_tok
             if len(tokenizer.encode(text + line)) > prompt_tokens:
                 break
             text += line
-        code.append([bos] + tokenizer.encode(text))
+        code.append(tokenizer.encode_prompt(text))  # the tokenizer's own BOS, if it adds one
         body = ""
         for line in lines:
             if len(tokenizer.encode(body + line)) > copy_tokens:
                 break
             body += line
         head = "".join(body.splitlines(keepends=True)[:2])
-        copy.append([bos] + tokenizer.encode(body + "\n\n" + head))
+        copy.append(tokenizer.encode_prompt(body + "\n\n" + head))
     return files, code, copy
 
 
@@ -124,7 +124,7 @@ def main(argv=None):
     draft = generate.load_model(draft_pth, precision=precision)
     tokenizer = get_tokenizer(args.pair / "target")
     files, code_prompts, copy_prompts = load_prompts(args.pair, tokenizer, args.prompts, args.prompt_tokens,
-                                                     args.copy_tokens, target.args.bos_token_id or 1)
+                                                     args.copy_tokens)
     print(f"prompts from {', '.join(f.name for f in files)}", flush=True)
     engine = decode.compile_engine(target, "cpu", False, autotune=args.autotune) if compile_ else decode.Engine(target)
     draft_engine = decode.compile_engine(draft, "cpu", False, autotune=args.autotune) if compile_ \

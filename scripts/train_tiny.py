@@ -385,7 +385,8 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
                         help="default: the real pair (~5-8 min on 2 CPU cores); test: ~15 s, for tests")
     parser.add_argument("--out_dir", type=Path, default=Path("checkpoints/tiny"),
-                        help="writes OUT/target, OUT/draft, OUT/heldout_files.txt, OUT/train_stats.json")
+                        help="writes OUT/target, OUT/draft, OUT/draft_othertok, OUT/heldout_files.txt, "
+                             "OUT/train_stats.json")
     parser.add_argument("--text_dir", default=None,
                         help="directory of UTF-8 text files to learn from (default: the Python standard library)")
     parser.add_argument("--seed", type=int, default=0)
