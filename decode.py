@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from model import Linear, Transformer
+from model import Transformer
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -154,20 +154,16 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     # a Python float argument (the temperature, top-p) is a constant of its graph: traced as a symbolic float, it
     # makes inductor give up and dynamo trace the whole function again (seconds per graph)
     torch._dynamo.config.specialize_float = True
-    whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=model.args.n_layer)
+    whole_graph, options = graph_options(model, device, whole_graph, autotune)
     if not whole_graph:
         return compile_regions(model, compile_prefill)
     if device == "cpu":
-        inductor_config.freezing = True
-        for module in model.modules():  # the graphs multiply with inductor's kernels (graph_options), not our copy
-            if isinstance(module, Linear):
-                module.traced_as_f_linear = True
+        inductor_config.freezing = True  # and so the graphs multiply with inductor's kernels, not our copy (Linear)
     inductor_config.coordinate_descent_tuning = cuda
     inductor_config.triton.unique_kernel_names = True
     if autotune:  # the choices are made quietly: no table of timings per matmul shape on stderr
         inductor_config.autotune_num_choices_displayed = 0
         inductor_config.max_autotune_report_choices_stats = False
-    options = graph_options(model, device, mode)
     engine = Engine(model)
     engine.decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     engine.forward = torch.compile(model, fullgraph=True, dynamic=False, **options)
@@ -202,15 +198,17 @@ def whole_graph_mode(device: str, whole_graph: Optional[bool] = None, autotune: 
 CPP_GEMM_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
-def graph_options(model: Transformer, device: str, mode: Optional[str]) -> dict:
-    """torch.compile's keyword arguments for a whole graph of `model` (whole_graph_mode's mode): the mode when
-    there is one (CUDA graphs, --compile_autotune); on CPU for a model of float32 / bf16 weights only,
-    CPP_GEMM_OPTIONS; else nothing (the defaults: quantized models, whose int8 / int4 products lower as before)."""
+def graph_options(model: Transformer, device: str, whole_graph: Optional[bool] = None, autotune: bool = False):
+    """(whether `model` compiles as one whole graph, torch.compile's keyword arguments for its whole graphs): the
+    choice and mode of whole_graph_mode; the keyword arguments are the mode when there is one (CUDA graphs,
+    --compile_autotune), on CPU for a model of float32 / bf16 weights only CPP_GEMM_OPTIONS, else nothing (the
+    defaults: quantized models, whose int8 / int4 products lower as before)."""
+    whole_graph, mode = whole_graph_mode(device, whole_graph, autotune, n_layer=model.args.n_layer)
     if mode is not None:
-        return {"mode": mode}
+        return whole_graph, {"mode": mode}
     if device == "cpu" and all(t.dtype in (torch.float32, torch.bfloat16) for t in model.state_dict().values()):
-        return {"options": dict(CPP_GEMM_OPTIONS)}
-    return {}
+        return whole_graph, {"options": dict(CPP_GEMM_OPTIONS)}
+    return whole_graph, {}
 
 
 def compile_regions(model: Transformer, compile_prefill: bool) -> Engine:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._inductor import config as inductor_config
 from torch import Tensor
 
 
@@ -338,13 +339,12 @@ class Linear(nn.Linear):
     packed copy costs the weight's memory once more. The same products, summed in another order: float32
     rounding apart, the same results."""
     packed: Optional[Tensor] = None
-    # set by decode.compile_engine for frozen whole graphs on CPU, which multiply with inductor's own kernels on
-    # weights it packs itself: compiled graphs then trace F.linear, eager forwards (the prefill) keep the copy
-    traced_as_f_linear = False
 
     def forward(self, x: Tensor) -> Tensor:
+        # a frozen graph (decode.compile_engine's whole graphs on CPU) multiplies with inductor's own kernels, on
+        # weights it packs itself: it traces F.linear; eager forwards and regional graphs keep the packed copy
         if self.packed is not None and x.numel() > x.shape[-1] \
-                and not (self.traced_as_f_linear and torch.compiler.is_compiling()):
+                and not (torch.compiler.is_compiling() and inductor_config.freezing):
             return packed_linear(x, self.packed)
         return F.linear(x, self.weight)
 

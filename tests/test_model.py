@@ -283,16 +283,16 @@ def test_onednn_packing_follows_the_measurement_and_keeps_logits(monkeypatch, fa
 
 
 def test_frozen_whole_graphs_trace_f_linear(monkeypatch):
-    """compile_engine (whole graph, CPU) marks every packed linear: compiled graphs trace F.linear (which inductor
-    multiplies with its own kernels on weights it packs itself) while eager forwards keep the packed copy."""
+    """Under compile_engine's freezing (whole graphs, CPU) compiled graphs trace F.linear (which inductor multiplies
+    with its own kernels on weights it packs itself) while eager forwards keep the packed copy."""
     import decode
     import model as model_module
     monkeypatch.setattr(model_module, "onednn_is_faster", lambda out_features, in_features: True)
     model = tiny_model(**SHAPES["gqa"])
     model.use_fast_weight_layout()
-    decode.compile_engine(model, "cpu", False, whole_graph=True)  # marks; compiles lazily, on the first call
+    decode.compile_engine(model, "cpu", False, whole_graph=True)  # turns freezing on; compiles lazily
     linears = [m for m in model.modules() if isinstance(m, model_module.Linear)]
-    assert linears and all(m.packed is not None and m.traced_as_f_linear for m in linears)
+    assert linears and all(m.packed is not None for m in linears)
     graphs = []
 
     def backend(gm, example_inputs):
