@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._inductor import config as inductor_config
 from torch import Tensor
 
 
@@ -343,8 +342,10 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         # a frozen graph (decode.compile_engine's whole graphs on CPU) multiplies with inductor's own kernels, on
         # weights it packs itself: it traces F.linear; eager forwards and regional graphs keep the packed copy
+        # (torch.compile has imported inductor's config by the time it traces; importing it here would cost every
+        # command that imports this file about 2 s)
         if self.packed is not None and x.numel() > x.shape[-1] \
-                and not (torch.compiler.is_compiling() and inductor_config.freezing):
+                and not (torch.compiler.is_compiling() and torch._inductor.config.freezing):
             return packed_linear(x, self.packed)
         return F.linear(x, self.weight)
 
