@@ -279,22 +279,34 @@ def target_continuations(target, stream, preset: Preset, device, seed: int) -> l
     windows of the training stream (prompt_len tokens each) by imitate_tokens tokens, even rows greedily (what
     verification at temperature 0 accepts), odd rows drawn at temperature 1 (the target's distribution). Returns each
     row's ids, prompt and continuation (target ids)."""
-    P, N = preset.prompt_len, preset.imitate_tokens
+    P = preset.prompt_len
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - P, (preset.imitate_rows,), generator=gen)
     rows = []
     for batch in starts.split(IMITATE_BATCH):
         x = torch.stack([stream[s:s + P] for s in batch.tolist()]).to(device)  # [b, P]
-        greedy = (torch.arange(len(batch), device=device) % 2 == 0)  # [b]
-        use_shape(target, len(batch), P + N, None)
-        logits, tokens = forward_full(target, x)[:, -1], []
-        for i in range(N):
-            drawn = torch.multinomial(logits.float().softmax(-1).cpu(), 1, generator=gen).view(-1).to(device)
-            tokens.append(torch.where(greedy, logits.argmax(-1), drawn))  # [b]
-            if i + 1 < N:
-                logits = target(tokens[-1].view(-1, 1), torch.full((len(batch), 1), P + i, device=device))[:, -1]
-        rows += torch.cat([x, torch.stack(tokens, 1)], 1).tolist()  # [b, P + N]
+        greedy = torch.arange(len(batch), device=device) % 2 == 0  # [b]
+        rows += torch.cat([x, continue_rows(target, x, preset.imitate_tokens, greedy, gen)], 1).tolist()  # [b, P + N]
     return rows
+
+
+@torch.no_grad()
+def continue_rows(model, x, n: int, greedy, gen=None) -> torch.Tensor:
+    """n tokens after each row of x [b, P], one at a time through the KV cache: the argmax in rows where greedy [b]
+    is True, elsewhere a draw at temperature 1 from gen (drawn for every row while any samples). Returns [b, n]."""
+    B, P = x.shape
+    sampling = not bool(greedy.all())
+    use_shape(model, B, P + n, None)
+    logits, tokens = forward_full(model, x)[:, -1], []
+    for i in range(n):
+        token = logits.argmax(-1)  # [b]
+        if sampling:
+            drawn = torch.multinomial(logits.float().softmax(-1).cpu(), 1, generator=gen).view(-1).to(x.device)
+            token = torch.where(greedy, token, drawn)
+        tokens.append(token)
+        if i + 1 < n:
+            logits = model(token.view(-1, 1), torch.full((B, 1), P + i, device=x.device))[:, -1]
+    return torch.stack(tokens, 1)
 
 
 def retokenize(rows: list, source, dest) -> torch.Tensor:
@@ -357,13 +369,7 @@ def greedy_agreement(target, draft, stream, newline_id: int, preset: Preset, dev
         prompts.append(torch.cat([torch.tensor([BOS_ID]), stream[end - P + 1:end]]))
     prompts = torch.stack(prompts).to(device)
     B = prompts.shape[0]
-    use_shape(target, B, P + N, None)
-    logits = forward_full(target, prompts)
-    tokens = [logits[:, -1].argmax(-1)]
-    for i in range(N - 1):  # one token at a time through the KV cache
-        pos = torch.full((B, 1), P + i, device=device)
-        tokens.append(target(tokens[-1].unsqueeze(1), pos)[:, -1].argmax(-1))
-    continuation = torch.stack(tokens, dim=1)
+    continuation = continue_rows(target, prompts, N, torch.ones(B, dtype=torch.bool, device=device))  # [B, N]
     use_shape(draft, B, P + N, None)
     draft_logits = forward_full(draft, torch.cat([prompts, continuation[:, :-1]], dim=1))
     return (draft_logits[:, P - 1:].argmax(-1) == continuation).float().mean().item()
