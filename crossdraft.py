@@ -30,8 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import (Engine, Sampling, compile_engine, decode_one_token, graph_options, logits_to_probs, sample_from,
-                    sdpa_context)
+from decode import Engine, Sampling, compile_engine, decode_one_token, logits_to_probs, sample_from, sdpa_context
 from model import UserError
 from speculate import MAX_TREE_NODES, Stats, Tree, verify_step
 
@@ -117,8 +116,9 @@ class CrossTokenizerSpeculator:
         `nodes` + 1 target tokens (on a CPU a verify forward costs more for every token it carries, padding
         included)."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
-        whole_graph, options = graph_options(self.draft_model, device, whole_graph, autotune)
-        if whole_graph:  # the sampled draft step (forward, warping, TLI's restriction and the draw) as one graph
+        options = self.engine.graph_kwargs
+        if options is not None:  # the draft compiled whole: the sampled step (forward, warping, TLI's restriction, the
+            # draw) as one graph
             self.tli_step = torch.compile(tli_step, fullgraph=True, dynamic=False, **options)
             self.chain = torch.compile(cross_chain, fullgraph=True, dynamic=False, **options)  # K steps, one graph
         else:  # the draft's regional forward, then the rest

@@ -97,6 +97,7 @@ class Engine:
     prefill: callable = prefill
     decode_one_token: callable = decode_one_token
     forward: callable = None  # multi-token scoring with an explicit mask (speculative verification)
+    graph_kwargs: Optional[dict] = None  # torch.compile's keyword arguments of its whole graphs (None: not whole)
 
     def __post_init__(self):
         if self.forward is None:
@@ -164,7 +165,7 @@ def compile_engine(model: Transformer, device: str, compile_prefill: bool,
     if autotune:  # the choices are made quietly: no table of timings per matmul shape on stderr
         inductor_config.autotune_num_choices_displayed = 0
         inductor_config.max_autotune_report_choices_stats = False
-    engine = Engine(model)
+    engine = Engine(model, graph_kwargs=options)
     engine.decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     engine.forward = torch.compile(model, fullgraph=True, dynamic=False, **options)
     if compile_prefill:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from decode import (Engine, Sampling, compile_engine, compiled_region, decode_one_token, exponential_like,
-                    graph_options, logits_to_probs, run_block, sdpa_context)
+                    logits_to_probs, run_block, sdpa_context)
 from model import UserError
 from speculate import MAX_TREE_NODES, Lookup, NgramSpeculator, Tree, TreeSpeculator, move_cache_slots, without
 
@@ -312,8 +312,8 @@ class DraftModelSpeculator(TreeSpeculator):
         prefill and its catch-up on looked-up tokens (once per generation, or rare) stay eager unless
         compile_prefill."""
         self.engine = compile_engine(self.draft_model, device, compile_prefill, whole_graph, autotune)
-        whole_graph, options = graph_options(self.draft_model, device, whole_graph, autotune)
-        if whole_graph:
+        options = self.engine.graph_kwargs
+        if options is not None:  # the draft compiled whole
             if self.chain is not None:  # one graph, one host sync, one CUDA graph for K tokens
                 self.chain = torch.compile(draft_chain, fullgraph=True, dynamic=False, **options)
             if self.tree is not None:  # two graphs: the first depth, and one for every later depth

@@ -105,7 +105,10 @@ def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target
     eager = greedy(decode.Engine(model), prompt)
     torch._dynamo.reset()
     counters.clear()
-    assert greedy(decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=True), prompt) == eager
+    engine = decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=True)
+    assert engine.graph_kwargs == {"options": decode.CPP_GEMM_OPTIONS}  # what the drafters compile their graphs with
+    assert decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=False).graph_kwargs is None
+    assert greedy(engine, prompt) == eager
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the products are the templates' kernels
     assert counters["inductor"]["select_algorithm_autotune"] == 0  # and nothing was timed: one choice each
 
