@@ -17,6 +17,12 @@ from model import UserError
 from speculate import MAX_TREE_NODES, Lookup, NgramSpeculator, Tree, TreeSpeculator, move_cache_slots, without
 
 GREEDY_RANK_TEMPERATURE = 0.3  # sharpening of the draft's distribution when ranking tree nodes for greedy decoding
+# A tree's width (children per expanded node, nodes expanded per depth) is ceil(N / K), but at least this: the N
+# kept nodes are the best of up to width^2 candidates per depth, and a weak draft's top 2 miss the target's argmax
+# far more often than its top 4. Greedy, tiny pair, 4 held-out prompts, eager: N = 10, K = 5 rose from 2.39 (width
+# 2) to 3.30 target tokens per forward, N = 8 from 2.41 to 3.22; widths above 4 added nothing at N = 16, and at
+# T = 0.7 widths 2-4 measured alike within sampling noise (BENCHMARKS.md).
+MIN_TREE_WIDTH = 4
 
 
 def greedy_candidates(logits: Tensor, width: int):
@@ -290,7 +296,7 @@ class DraftModelSpeculator(TreeSpeculator):
         self.lookup = Lookup(ngram) if ngram else None  # n-gram branches merged into the draft's tree
         self.lookups = []  # one per row of the current generation (sharing self.lookup's earlier samples)
         self.kind = "draft" if tree_nodes == depth else "tree"  # stats: a chain, or token-tree verification
-        self.width = 1 if tree_nodes == depth else min(8, max(2, math.ceil(tree_nodes / depth)))
+        self.width = 1 if tree_nodes == depth else min(8, max(MIN_TREE_WIDTH, math.ceil(tree_nodes / depth)))
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         self.engine = Engine(draft_model)
         self.candidates, self.logits = draft_candidates, draft_logits

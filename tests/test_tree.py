@@ -110,7 +110,7 @@ def test_target_cache_after_compaction_equals_fresh_decoding(random_target):
 @pytest.mark.parametrize("last_node_fed", [True, False])
 @torch.no_grad()
 def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_node_fed, monkeypatch):
-    """The draft grows a tree (3 children per expanded node, so an accepted path's keys/values lie at
+    """The draft grows a tree (4 children per expanded node, so an accepted path's keys/values lie at
     scattered slots); after a path is accepted its cache is compacted, and a last accepted node the draft
     never read is fed with the next root. The next step's draft logits equal a fresh model's on the prefix
     and the accepted path read as one sequence."""
@@ -119,7 +119,7 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     monkeypatch.setattr(draftmodel, "GREEDY_RANK_TEMPERATURE", 0.05)  # a random draft is flat: rank deep nodes high
     speculator = draftmodel.DraftModelSpeculator(draft, 3, 9)
     speculator.tree = None  # depth by depth on the host (draft_tree grows the same tree: test below)
-    assert speculator.width == 3
+    assert speculator.width == 4
     prompt = [1, 17, 33, 250, 7, 90]
     speculator.start([prompt], 64)
     calls = []  # (token ids, logits) of every draft forward
@@ -151,7 +151,7 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, top_k=6)], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("k,nodes", [(3, 9), (4, 16), (2, 5), (1, 3)])
+@pytest.mark.parametrize("k,nodes", [(3, 9), (4, 16), (2, 5), (1, 3), (2, 12)])
 @torch.no_grad()
 def test_one_graph_tree_equals_the_host_tree(near_draft, k, nodes, sampling):
     """draft_tree (a tree's K draft forwards in one call, two graphs when compiled) grows the tree that draft() grows
@@ -184,6 +184,15 @@ def test_one_graph_tree_equals_the_host_tree(near_draft, k, nodes, sampling):
         new = [trees[0].tokens[i] for i in path] + [rng.randrange(64)]
         context, pos = context + new, pos + len(new)
     assert max(depths) >= min(k, 2)  # paths through expanded nodes were accepted
+
+
+@pytest.mark.parametrize("k,nodes,width", [(5, 5, 1), (5, 6, 4), (5, 10, 4), (5, 16, 4), (2, 12, 6), (3, 40, 8)])
+def test_tree_width(random_draft, k, nodes, width):
+    """Children per expanded node: ceil(N / K), at least MIN_TREE_WIDTH (a small tree of width 2 chose its nodes
+    among too few candidates), at most 8; a chain (N == K) has one."""
+    speculator = draftmodel.DraftModelSpeculator(generate.load_model(random_draft), k, nodes)
+    assert speculator.width == width and draftmodel.AcceptanceTable(width).lookup_cells == speculator.table.lookup_cells
+    assert speculator.lookahead >= max(nodes, (k - 1) * width)  # the draft cache's room for a step's tree
 
 
 @torch.no_grad()
