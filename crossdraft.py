@@ -86,8 +86,7 @@ class CrossTokenizerSpeculator:
         # target tokens verified per step: K draft tokens can re-tokenize into more target tokens; the rest is cut
         self.nodes = min(2 * depth, MAX_TREE_NODES)
         self.lookahead = self.nodes + 2  # target cache slots a step may write past the accepted tokens
-        self.engine = Engine(draft_model)
-        self.write_cache = draft_model  # the draft's catch-up forward over several tokens (any length)
+        self.engine = Engine(draft_model)  # its prefill is also the catch-up forward over several tokens (any length)
         self.compiled = False
         # the intersection I: draft id -> the target id of the same bytes (the target's own token for those bytes
         # where it has several, e.g. sentencepiece's "a" and "<0x61>")
@@ -124,8 +123,6 @@ class CrossTokenizerSpeculator:
         else:  # the draft's regional forward, then the rest
             self.tli_forward = self.engine.forward
             self.chain = None
-        if compile_prefill:
-            self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
         self.compiled = True
 
     # ------------------------------------------------------------------------- the loop
@@ -203,7 +200,8 @@ class CrossTokenizerSpeculator:
             start = len(self.cached)
             x = torch.tensor([catch_up], device=device)
             with sdpa_context():
-                self.write_cache(x, torch.arange(start, start + x.shape[1], device=device).view(1, -1))
+                self.engine.prefill(self.draft_model, x, torch.arange(start, start + x.shape[1], device=device).view(
+                    1, -1), Sampling())
             self.cached += catch_up
             forwards += 1
         token, drafted = self.pending[-1], []

@@ -11,8 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import (Engine, Sampling, compile_engine, compiled_region, decode_one_token, exponential_like,
-                    logits_to_probs, run_block, sdpa_context)
+from decode import Engine, Sampling, compile_engine, decode_one_token, exponential_like, logits_to_probs, sdpa_context
 from model import UserError
 from speculate import MAX_TREE_NODES, Lookup, NgramSpeculator, Tree, TreeSpeculator, move_cache_slots, without
 
@@ -301,7 +300,6 @@ class DraftModelSpeculator(TreeSpeculator):
         self.engine = Engine(draft_model)
         self.candidates, self.logits = draft_candidates, draft_logits
         self.draft_forward = draft_model  # what candidates() / logits() run: the model, or its regional forward
-        self.write_cache = draft_model
         # a fixed-depth chain's K draft steps in one call (draft_chain), compiled as one graph where the draft compiles
         # whole; None: step by step through read() (trees, --speculate_k auto, a regionally compiled draft)
         self.chain = draft_chain if self.width == 1 and not auto_depth else None
@@ -328,13 +326,15 @@ class DraftModelSpeculator(TreeSpeculator):
                     step=torch.compile(tree_depth, fullgraph=True, dynamic=False, **options))
             self.candidates = torch.compile(draft_candidates, fullgraph=True, dynamic=False, **options)
             self.logits = torch.compile(draft_logits, fullgraph=True, dynamic=False, **options)
-            if compile_prefill:
-                self.write_cache = torch.compile(self.draft_model, fullgraph=True, dynamic=True)
         else:  # regional: the engine's forward runs the compiled block for every layer
             self.draft_forward = self.engine.forward
             self.chain = self.tree = None  # a chain steps through the engine's compiled one-token decode
-            if compile_prefill:
-                self.write_cache = functools.partial(self.draft_model, block=compiled_region(run_block, True))
+
+    def write_cache(self, x: Tensor, input_pos: Tensor):
+        """Tokens x [B, L] into the draft's cache at input_pos [B, L] (any L): the engine's prefill, compiled for any
+        length with --compile_prefill (whole or regional, as the draft's other graphs), else eager."""
+        with sdpa_context():
+            self.engine.prefill(self.draft_model, x, input_pos, Sampling())
 
     def start(self, prompts: list, max_seq_length: int) -> int:
         device = self.draft_model.tok_embeddings.weight.device
@@ -363,8 +363,7 @@ class DraftModelSpeculator(TreeSpeculator):
         if longest > 1:
             at = [[max(0, p - longest + j) for j in range(longest - 1)] for p in pos]  # [B, longest - 1]
             x = torch.tensor([[context[i] for i in row] for context, row in zip(contexts, at)], device=device)
-            with sdpa_context():
-                self.write_cache(x, torch.tensor(at, device=device))
+            self.write_cache(x, torch.tensor(at, device=device))
             forwards += 1
         # depth 1: each row's last pending token (or, in rows with none, the token it already holds there) and its
         # root, whose distribution gives the first children; the default causal mask over slots = positions
