@@ -101,10 +101,14 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
     return rows
 
 
+TINY_TARGET = ROOT / "checkpoints/tiny/target/model.pth"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny_checkpoint", type=Path, default=ROOT / "checkpoints/tiny/target/model.pth",
-                   help="a model.pth (default: the trained tiny target of scripts/train_tiny.py)")
+    p.add_argument("--tiny_checkpoint", type=Path, default=TINY_TARGET,
+                   help="a model.pth (default: the trained tiny target of scripts/train_tiny.py); rows of any other "
+                        "model are labelled by its directory's name")
     p.add_argument("--large_model", default="TinyLlama-1.1B", help="known shape of the random-init large model")
     p.add_argument("--large_dir", type=Path, default=None,
                    help="where to keep the large random checkpoint (default: a temporary directory)")
@@ -130,7 +134,7 @@ def main(argv=None):
     bandwidth = benchlib.measure_bandwidth()
     print(f"measured: read {bandwidth['read_gbs']:.1f} GB/s, fp32 mat-vec {bandwidth['fp32_matvec_gbs']:.1f} GB/s",
           flush=True)
-    label = "tiny" if args.tiny_checkpoint.parent.parent.name == "tiny" else args.tiny_checkpoint.parent.name
+    label = "tiny" if args.tiny_checkpoint.resolve() == TINY_TARGET.resolve() else args.tiny_checkpoint.parent.name
     rows = bench_model(label, args.tiny_checkpoint, args, bandwidth, with_transformers=True)
     if not args.skip_large:
         with tempfile.TemporaryDirectory() as tmp:
