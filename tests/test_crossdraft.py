@@ -432,7 +432,7 @@ class TextModel:
             self.rows[context] = row
         return row
 
-    def __call__(self, idx, input_pos, slots=None, mask=None):
+    def __call__(self, idx, input_pos, slots=None, mask=None, block=None):  # block: as Transformer.forward, unused
         slots = input_pos if slots is None else slots
         self.cache.k_cache[0, 0, slots[0]] = torch.stack([idx[0], input_pos[0]], -1)
         written = self.cache.k_cache[0, 0].tolist()
