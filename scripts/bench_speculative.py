@@ -7,7 +7,7 @@ generation), in one process run, on the tiny pair from scripts/train_tiny.py.
 Prompts: the opening lines of held-out standard-library files (OUT/heldout_files.txt, never trained on).
 Copy task (for --draft_ngram): a prompt holding a held-out file's text, then its first lines again, so the
 continuation repeats the file, as in code editing or retrieval-grounded answers.
-Configurations: plain decoding, the draft's chain, its tree (--tree_nodes), the tree with the n-gram
+Configurations: plain decoding, the draft's chain, its trees (--tree_nodes), the tree with the n-gram
 lookup's branches merged in, the adaptive chain, an int8 draft's chain, and the n-gram tree alone; their
 runs take turns (benchlib.time_interleaved) so that a machine slowing down hurts them alike.
 Per configuration: tokens/s over all prompts (best of --repeats each), speedup over our plain decode,
@@ -95,7 +95,8 @@ def main(argv=None):
     p.add_argument("--copy_tokens", type=int, default=320, help="file tokens in a copy-task prompt")
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=5, help="draft depth for chain and tree")
-    p.add_argument("--tree_nodes", type=int, default=16)
+    p.add_argument("--tree_nodes", default="16", help="the tree's N; comma-separated for several trees (the first "
+                                                           "also sizes the merged and n-gram trees)")
     p.add_argument("--ngram", type=int, default=3)
     p.add_argument("--ngram_k", type=int, default=8)
     p.add_argument("--ngram_nodes", type=int, default=16)
@@ -171,9 +172,11 @@ def main(argv=None):
                   f"{row['tokens_per_target_forward']:.2f} tokens/target forward", flush=True)
         return base_tps
 
-    k, nodes, n = args.k, args.tree_nodes, args.ngram
+    sizes = [int(v) for v in args.tree_nodes.split(",")]
+    k, nodes, n = args.k, sizes[0], args.ngram
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        configs = {f"chain K={k}": (draft, k, None, 0), f"tree N={nodes} K={k}": (draft, k, nodes, 0),
+        trees = {f"tree N={size} K={k}": (draft, k, size, 0) for size in sizes}
+        configs = {f"chain K={k}": (draft, k, None, 0), **trees,
                    f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n),
                    "chain K=auto": (draft, "auto", None, 0), f"chain K={k}, int8 draft": (int8_draft, k, None, 0),
                    f"{n}-gram tree N={nodes} K={k} (no draft)": (None, k, nodes, n)}
