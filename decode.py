@@ -54,13 +54,22 @@ def logits_to_probs(logits: Tensor, sampling: Sampling) -> Tensor:
 def exponential_like(x: Tensor) -> Tensor:
     """Exp(1) noise shaped like x, as -log(U) with U ~ Uniform[0, 1): on CPU 3-4x faster than exponential_()
     (1.2 ms against 0.27 ms for a 49152-token row on this project's 2-core machine). U = 0, a 2^-24 event per
-    element, gives +inf: that element scores 0 in sample_from's race and -inf as a Gumbel key."""
+    element, gives +inf: that element scores -inf as a Gumbel key."""
     return torch.rand_like(x, dtype=torch.float32).log_().neg_()
 
 
 def sample_from(probs: Tensor) -> Tensor:
-    # exponential race: argmax(p / E), E ~ Exp(1), draws index i with probability p_i, without a host sync
-    return torch.argmax(probs / exponential_like(probs), dim=-1)
+    """One draw from each row of probs [..., V] ([...] long), without a host sync, by inverse CDF: the first token
+    whose cumulative mass exceeds u * total, u ~ U[0, 1) (as torch.multinomial does). One uniform per row, where
+    the exponential race argmax(p / E) of gpt-fast needs V of them: 1.5-2.3x cheaper compiled on CPU at V = 49152,
+    the same at 4096 (scripts/bench_sampling.py). Sums in float64, so rounding moves no probability a float32 sum would. A
+    token of mass 0 adds nothing to the sum, so it is never the first to exceed u * total (kept below the total even
+    where rounding would reach it)."""
+    cdf = probs.double().cumsum(-1)  # [..., V]
+    total = cdf[..., -1:]  # [..., 1]
+    u = torch.rand(total.shape, dtype=torch.double, device=probs.device)
+    below = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, below, right=True).clamp_max(probs.shape[-1] - 1).squeeze(-1)
 
 
 def sample(logits: Tensor, sampling: Sampling):

@@ -6,7 +6,8 @@ against the textbook formulation it replaced, eager and compiled, in one process
 
 The textbook formulation (what decode.py did before, and what gpt-fast does): exponential noise from
 Tensor.exponential_() for the race argmax(p / E), and top-p by sorting the whole vocabulary even after top-k.
-Ours: decode.exponential_like (-log U) and top-p over the k values top-k already ranked. Same distributions
+Ours: top-p over the k values top-k already ranked, and one draw by inverse CDF (decode.sample_from); "race" is
+our warping with the exponential race of before (E = -log U, decode.exponential_like). Same distributions
 (tests/test_generate.py, and every lossless test); this measures only time per call (best of --repeats batches).
 """
 import argparse
@@ -38,6 +39,13 @@ def textbook_sample(logits: torch.Tensor, sampling: decode.Sampling) -> torch.Te
     return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
 
 
+def race_sample(logits: torch.Tensor, sampling: decode.Sampling) -> torch.Tensor:
+    """Our warping, then the exponential race argmax(p / E) with E = -log U (what decode.sample_from did before it
+    drew by inverse CDF): V uniforms per row instead of one."""
+    probs = decode.logits_to_probs(logits, sampling)
+    return torch.argmax(probs / decode.exponential_like(probs), dim=-1)
+
+
 def ms_per_call(fn, logits, sampling, calls: int, repeats: int) -> float:
     for _ in range(3):
         fn(logits, sampling)
@@ -62,7 +70,8 @@ def main(argv=None):
     settings = {"T=0.7": decode.Sampling(0.7), "T=0.7 top-k 200": decode.Sampling(0.7, top_k=200),
                 "T=0.7 top-k 200 top-p 0.9": decode.Sampling(0.7, top_k=200, top_p=0.9),
                 "T=0.7 top-p 0.9": decode.Sampling(0.7, top_p=0.9)}
-    samplers = {"textbook": textbook_sample, "ours": lambda logits, sampling: decode.sample(logits, sampling)[0]}
+    samplers = {"textbook": textbook_sample, "race": race_sample,
+                "ours": lambda logits, sampling: decode.sample(logits, sampling)[0]}
     compiled = {name: torch.compile(fn, dynamic=False) for name, fn in samplers.items()}
     rows = []
     for vocab in [int(v) for v in args.vocab_sizes.split(",")]:
@@ -73,6 +82,7 @@ def main(argv=None):
                 for name, fn in fns.items():
                     row[f"{name} {mode} ms"] = ms_per_call(fn, logits, sampling, args.calls, args.repeats)
                 row[f"{mode} x"] = row[f"textbook {mode} ms"] / row[f"ours {mode} ms"]
+                row[f"{mode} x race"] = row[f"race {mode} ms"] / row[f"ours {mode} ms"]
             rows.append(row)
             print(", ".join(f"{k} {benchlib.fmt(v)}" for k, v in row.items()), flush=True)
     print()

@@ -8,7 +8,7 @@ import torch
 
 import decode
 import generate
-from helpers import ROOT, write_checkpoint
+from helpers import REJECT_BELOW, ROOT, chi_square_pvalue, write_checkpoint
 
 DESIGN_FIELDS = {"device", "precision", "compile", "speculative", "prompt_tokens", "samples", "tokens_per_sec",
                  "bandwidth_gbs", "model_bytes", "compile_seconds"}
@@ -80,6 +80,25 @@ def test_sampling_is_seeded_and_respects_top_k(random_target):
                               "--seed", str(seed)])["samples"][0]["tokens"]
     # top_k 1 at any temperature is greedy
     assert sampled(1) == sampled(2) == run(random_target, "--ignore_eos", prompt="x = ", n=12)["samples"][0]["tokens"]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_sample_from_draws_each_row_from_its_distribution(compiled):
+    """decode.sample_from (inverse CDF): every row of a batch drawn from its own row, tokens of mass 0 (at the ends,
+    in the middle) never; a deliberately broken variant (the CDF's search off by one token) is rejected."""
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9],
+                          [1e-3, 0.3, 0.3, 0.099, 0.3, 0.0]])
+    draws = 60_000
+    sample_from = torch.compile(decode.sample_from, dynamic=False) if compiled else decode.sample_from
+    drawn = sample_from(probs.unsqueeze(0).expand(draws, -1, -1))  # [draws, 3]
+    assert drawn.shape == (draws, 3)
+    for row in range(3):
+        counts = torch.bincount(drawn[:, row], minlength=6).double()
+        assert chi_square_pvalue(counts, probs[row].double()) > REJECT_BELOW, (row, counts)
+    shifted = (drawn + 1).clamp_max(5)  # broken: the token after the one drawn
+    assert min(chi_square_pvalue(torch.bincount(shifted[:, row], minlength=6).double(), probs[row].double())
+               for row in range(3)) < REJECT_BELOW
 
 
 def test_logits_to_probs_warping():
