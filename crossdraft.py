@@ -199,9 +199,7 @@ class CrossTokenizerSpeculator:
         elif catch_up:  # one forward over them all
             start = len(self.cached)
             x = torch.tensor([catch_up], device=device)
-            with sdpa_context():
-                self.engine.prefill(self.draft_model, x, torch.arange(start, start + x.shape[1], device=device).view(
-                    1, -1), Sampling())
+            self.engine.write_cache(x, torch.arange(start, start + x.shape[1], device=device).view(1, -1))  # [1, L]
             self.cached += catch_up
             forwards += 1
         token, drafted = self.pending[-1], []

@@ -62,9 +62,9 @@ def sample_from(probs: Tensor) -> Tensor:
     """One draw from each row of probs [..., V] ([...] long), without a host sync, by inverse CDF: the first token
     whose cumulative mass exceeds u * total, u ~ U[0, 1) (as torch.multinomial does). One uniform per row, where
     the exponential race argmax(p / E) of gpt-fast needs V of them: 1.5-2.3x cheaper compiled on CPU at V = 49152,
-    the same at 4096 (scripts/bench_sampling.py). Sums in float64, so rounding moves no probability a float32 sum would. A
-    token of mass 0 adds nothing to the sum, so it is never the first to exceed u * total (kept below the total even
-    where rounding would reach it)."""
+    the same at 4096 (scripts/bench_sampling.py). Sums in float64, so rounding moves no probability a float32 sum
+    would. A token of mass 0 adds nothing to the sum, so it is never the first to exceed u * total (kept below the
+    total even where rounding would reach it; the clamp only matters for NaN rows, which callers check)."""
     cdf = probs.double().cumsum(-1)  # [..., V]
     total = cdf[..., -1:]  # [..., 1]
     u = torch.rand(total.shape, dtype=torch.double, device=probs.device)
@@ -111,6 +111,12 @@ class Engine:
     def __post_init__(self):
         if self.forward is None:
             self.forward = self.model
+
+    def write_cache(self, x: Tensor, input_pos: Tensor):
+        """Tokens x [B, L] into the model's cache at input_pos [B, L] (any L) through the prefill (compiled for any
+        length with --compile_prefill, else eager); the token it samples is not used."""
+        with sdpa_context():
+            self.prefill(self.model, x, input_pos, Sampling())
 
 
 def run_block(layer, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:

@@ -330,12 +330,6 @@ class DraftModelSpeculator(TreeSpeculator):
             self.draft_forward = self.engine.forward
             self.chain = self.tree = None  # a chain steps through the engine's compiled one-token decode
 
-    def write_cache(self, x: Tensor, input_pos: Tensor):
-        """Tokens x [B, L] into the draft's cache at input_pos [B, L] (any L): the engine's prefill, compiled for any
-        length with --compile_prefill (whole or regional, as the draft's other graphs), else eager."""
-        with sdpa_context():
-            self.engine.prefill(self.draft_model, x, input_pos, Sampling())
-
     def start(self, prompts: list, max_seq_length: int) -> int:
         device = self.draft_model.tok_embeddings.weight.device
         self.draft_model.setup_caches(len(prompts), max_seq_length)
@@ -363,7 +357,7 @@ class DraftModelSpeculator(TreeSpeculator):
         if longest > 1:
             at = [[max(0, p - longest + j) for j in range(longest - 1)] for p in pos]  # [B, longest - 1]
             x = torch.tensor([[context[i] for i in row] for context, row in zip(contexts, at)], device=device)
-            self.write_cache(x, torch.tensor(at, device=device))
+            self.engine.write_cache(x, torch.tensor(at, device=device))
             forwards += 1
         # depth 1: each row's last pending token (or, in rows with none, the token it already holds there) and its
         # root, whose distribution gives the first children; the default causal mask over slots = positions

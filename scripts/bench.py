@@ -28,6 +28,8 @@ import decode  # noqa: E402
 import generate  # noqa: E402
 from model import ModelArgs, Transformer, write_atomically
 
+TINY_TARGET = ROOT / "checkpoints/tiny/target/model.pth"  # scripts/train_tiny.py's target, labelled "tiny"
+
 VARIANTS = [  # (precision, quantization); int4 uses --int4_groupsize
     ("fp32", None), ("bf16", None), ("fp32", "int8"), ("fp32", "int4"),
 ]
@@ -99,9 +101,6 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
         if hf_fp32:
             r["x_transformers_fp32"] = r["tokens_per_sec"] / hf_fp32
     return rows
-
-
-TINY_TARGET = ROOT / "checkpoints/tiny/target/model.pth"
 
 
 def main(argv=None):
