@@ -37,7 +37,8 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
     path = Path(checkpoint_path)
     if not path.is_file():
         hint = " (pass the model.pth file, not its directory)" if path.is_dir() else \
-            "; download and convert one with scripts/prepare.sh ORG/MODEL, or train the tiny pair with scripts/train_tiny.py"
+            ("; download and convert one with scripts/prepare.sh ORG/MODEL, or train the tiny pair with "
+             "scripts/train_tiny.py")
         raise UserError(f"checkpoint not found: {path}{hint}")
     args = ModelArgs.from_checkpoint_dir(path.parent)
     checkpoint = read_checkpoint(path)
@@ -131,7 +132,8 @@ def parse_args(argv=None):
                    help="text, or an integer N for a synthetic prompt of N tokens")
     p.add_argument("--interactive", action="store_true",
                    help="chat in a loop in the checkpoint's own chat template, streaming tokens")
-    p.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template (one user turn)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap --prompt in the checkpoint's chat template (one user turn)")
     p.add_argument("--num_samples", type=int, default=5)
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--batch_size", type=int, default=1,

@@ -203,7 +203,8 @@ class ModelArgs:
             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
             "vocab_size": self.vocab_size, "max_position_embeddings": self.block_size,
             "rope_theta": self.rope_base, "rms_norm_eps": self.norm_eps,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None, "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id, "eos_token_id": eos,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
         }

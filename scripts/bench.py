@@ -96,7 +96,8 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
             rows.append(row)
             print(f"  {label} transformers {precision}: {tps:.1f} tok/s", flush=True)
             del hf
-    hf_fp32 = next((r["tokens_per_sec"] for r in rows if r["impl"] == "transformers" and r["precision"] == "fp32"), None)
+    hf_fp32 = next((r["tokens_per_sec"] for r in rows if r["impl"] == "transformers" and r["precision"] == "fp32"),
+                   None)
     for r in rows:
         if hf_fp32:
             r["x_transformers_fp32"] = r["tokens_per_sec"] / hf_fp32

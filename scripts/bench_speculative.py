@@ -73,7 +73,8 @@ def merge_stats(runs) -> dict:
     counts = [sum(c) for c in zip(*(s["accept_counts"] for s in stats))]
     steps = sum(counts)
     accepted = sum(i * c for i, c in enumerate(counts))
-    return {"accept_counts": counts, "mean_accepted": accepted / steps, "tokens_per_target_forward": (accepted + steps) / steps,
+    return {"accept_counts": counts, "mean_accepted": accepted / steps,
+            "tokens_per_target_forward": (accepted + steps) / steps,
             "acceptance_rate": sum(s["acceptance_rate"] for s in stats) / len(stats),
             "target_forwards": sum(s["target_forwards"] for s in stats),
             "draft_forwards": sum(s["draft_forwards"] for s in stats),

@@ -121,7 +121,8 @@ def load_corpus(text_dir, max_chars: int):
             if max_chars and chars >= max_chars:
                 break
     if not corpus:
-        raise UserError(f"no text files under {root}: --text_dir needs a directory with UTF-8 text files (e.g. .py, .txt)")
+        raise UserError(f"no text files under {root}: --text_dir needs a directory with UTF-8 text files "
+                        f"(e.g. .py, .txt)")
     if len(corpus) < 2:
         raise UserError(f"only one text file under {root}: need at least two (one is held out for evaluation)")
     return root, corpus

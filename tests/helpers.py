@@ -244,7 +244,8 @@ def lossless_pvalues(tree_nodes: int, sampling: Sampling, ngram: int = 0, draft=
 # ----------------------------------------------------------------------------- tokenizers built for the tests
 
 TEXT = Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text().splitlines()[:400] + [
-    "Le café est très bon, déjà vu.", "日本語のテキストです", "emoji 🙂 ok 🚀", "numbers 12345 and 67890", "\tindented\tline"]
+    "Le café est très bon, déjà vu.", "日本語のテキストです", "emoji 🙂 ok 🚀", "numbers 12345 and 67890",
+    "\tindented\tline"]
 
 STRINGS = ["Hello world", "parser.add_argument('--x', type=int)", " leading space", "trailing spaces  ", "  two",
            " ", "", "café déjà", "日本語 and 🙂🚀", "12345 + 678", "a\nb\tc\n\n", "x <s> y </s>", "<s>hi</s>",

@@ -99,7 +99,8 @@ def worker_runs(tmp_path_factory, random_target, close_draft, odd_vocab_target, 
             "greedy_ngram": cli(random_target, "--temperature", 0, "--draft_ngram", 2, "--speculate_k", 3,
                                 "--tree_nodes", 4, "--num_samples", 2)}
     runs["greedy_int4"] = cli(quantized_targets["int4"], "--temperature", 0, *chain(close_draft))
-    torchrun(ROOT / "tests/tp_worker.py", out, json.dumps([str(random_target), str(odd_vocab_target)]), json.dumps(runs))
+    torchrun(ROOT / "tests/tp_worker.py", out, json.dumps([str(random_target), str(odd_vocab_target)]),
+             json.dumps(runs))
     return runs, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -12,7 +12,8 @@ def test_pair_layout_and_stats(trained_pair):
         d = trained_pair / name
         assert {"config.json", "tokenizer.model", "model.pth"} <= {p.name for p in d.iterdir()}
         assert not list(d.glob(".*.tmp"))
-    assert (trained_pair / "target/tokenizer.model").read_bytes() == (trained_pair / "draft/tokenizer.model").read_bytes()
+    target_tokenizer = (trained_pair / "target/tokenizer.model").read_bytes()
+    assert target_tokenizer == (trained_pair / "draft/tokenizer.model").read_bytes()
     stats = json.loads((trained_pair / "train_stats.json").read_text())
     assert stats["greedy_agreement"] >= 0.5  # the draft is useful for speculation even in the small preset
     for name in ("target", "draft"):

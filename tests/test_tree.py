@@ -233,7 +233,8 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
 
 @pytest.mark.parametrize("draft,k,nodes", [("near", 4, 10), ("near", 3, 16), ("near", 2, 5), ("near", 8, 24),
                                            ("self", 3, 16), ("random", 4, 10), ("trained", 4, 10)])
-def test_greedy_tree_identical_to_plain_decoding(random_target, near_draft, random_draft, trained_pair, draft, k, nodes):
+def test_greedy_tree_identical_to_plain_decoding(random_target, near_draft, random_draft, trained_pair, draft, k,
+                                                 nodes):
     if draft == "trained":
         target, path = trained_pair / "target/model.pth", trained_pair / "draft/model.pth"
     else:
@@ -309,7 +310,8 @@ def test_ngram_greedy_identical_to_plain_decoding(random_target, extra, prompt):
     assert tokens(stats) == plain_greedy(random_target, prompt, 40)
     assert stats["speculative"] == "ngram" and stats["draft_forwards"] == 0
     assert sum(stats["accept_counts"][2:]) > 0  # the n-grams did hit
-    assert tokens(run(random_target, "--ignore_eos", *extra, prompt=prompt, n=7)) == plain_greedy(random_target, prompt, 40)[:7]
+    short = tokens(run(random_target, "--ignore_eos", *extra, prompt=prompt, n=7))
+    assert short == plain_greedy(random_target, prompt, 40)[:7]
 
 
 # ----------------------------------------------------------------------------- sampled trees are lossless
@@ -351,8 +353,8 @@ def not_renormalized(q, tokens):
 def lookups_not_excluded(self, logits, sampling, exclude=None):
     """Broken: the root's children are drawn from q, but verified as if drawn with the looked-up tokens excluded."""
     rows = real_sampled_children(self, logits, sampling)
-    for r, tokens in enumerate(exclude or []):
-        excluded = real_without(speculate.logits_to_probs(logits[r], sampling), list(tokens))
+    for r, looked_up in enumerate(exclude or []):
+        excluded = real_without(speculate.logits_to_probs(logits[r], sampling), list(looked_up))
         rows[r] = [(token, excluded, score, cell) for token, _, score, cell in rows[r]]
     return rows
 
