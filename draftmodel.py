@@ -335,10 +335,8 @@ class DraftModelSpeculator(TreeSpeculator):
         self.draft_model.setup_caches(len(prompts), max_seq_length)
         T = max(len(p) for p in prompts)
         x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # [B, T], right-padded
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        with sdpa_context():
-            self.engine.prefill(self.draft_model, x, torch.arange(T, device=device).expand(len(prompts), T),
-                                Sampling(), lengths - 1)
+        # the padding's slots are overwritten, in order, before any query sees them (decode.prefill)
+        self.engine.write_cache(x, torch.arange(T, device=device).expand(len(prompts), T))  # [B, T]
         self.pending = [[] for _ in prompts]
         self.lookups = [self.lookup.fresh() for _ in prompts] if self.lookup else []
         return 1
