@@ -4,13 +4,8 @@ Every forward takes explicit per-row RoPE positions and explicit cache slots, so
 code runs prefill, one-token decode, batched rows at different positions, and token-tree
 verification (positions = prefix length + depth, a mask that shows each node its ancestors).
 """
-import functools
 import json
 import math
-import os
-import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -20,92 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-
-class UserError(Exception):
-    """A mistake the user can fix (a flag, a missing or inconsistent file). Every CLI prints it as one
-    line, `error: <what is wrong>: <what to do>`, and exits with status 1; never a traceback."""
-
-
-def read_checkpoint(path) -> dict:
-    """torch.load a checkpoint file safely (weights_only: tensors and plain containers, no code; memory-mapped).
-    A file that is truncated, empty, random or not a dict is a UserError naming it."""
-    try:
-        checkpoint = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:  # truncated, empty, random bytes, a pickle that needs more than tensors
-        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot read checkpoint {path} ({reason}): re-convert or re-download it") from None
-    if not isinstance(checkpoint, dict):
-        raise UserError(f"{path} does not hold a state dict: re-convert it")
-    return checkpoint
-
-
-def load_weights(model: nn.Module, state_dict: dict, path) -> None:
-    """load_state_dict(strict, assign) on a model built from config.json; a missing or unexpected key, or a
-    shape that disagrees, is a UserError naming the file and its config."""
-    try:
-        model.load_state_dict(state_dict, assign=True, strict=True)
-    except RuntimeError as e:
-        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
-        raise UserError(f"{path} does not match {Path(path).parent / 'config.json'}: {detail}: use the config.json "
-                        f"the checkpoint came with") from None
-
-
-def run_cli(main) -> int:
-    """Run a command's main(): a UserError is printed as one line `error: ...` (status 1), Ctrl-C as
-    `error: interrupted` (status 130); the temp files of an interrupted write are removed on the way out."""
-    try:
-        main()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
-def write_atomically(path, write):
-    """Create or replace the file `path` so that a half-written file never appears under its name:
-    `write(tmp)` fills a temp file beside it (`.NAME.partial-PID`), which is fsynced and renamed over
-    `path`; on any failure (or KeyboardInterrupt) the temp file is removed. A leftover from a killed
-    process (SIGKILL runs no clean-up) carries a dead PID in its name and is removed by the next write."""
-    path = Path(path)
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.partial-{os.getpid()}-")
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # the permissions a plain open() would give, not mkstemp's 0600
-    try:
-        write(Path(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
-
-
-def remove_stale_partials(path: Path):
-    """Remove `.NAME.partial-PID-*` files beside path whose process is gone."""
-    for leftover in path.parent.glob(f".{path.name}.partial-*"):
-        try:
-            pid = int(leftover.name[len(f".{path.name}.partial-"):].split("-")[0])
-            os.kill(pid, 0)  # raises if no such process
-        except ProcessLookupError:
-            leftover.unlink(missing_ok=True)
-        except (ValueError, PermissionError, OSError):
-            pass
+from errors import UserError
+from kernels import pack_weight, packed_linear
 
 
 @dataclass
@@ -306,78 +217,22 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def _packed_linear(x: Tensor, packed: Tensor) -> Tensor:
-    """x [..., in] times a weight that oneDNN packed for its own kernels (Linear.pack): [..., out]."""
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, None, "none", [], "")  # [rows, out]
-    return y.view(*x.shape[:-1], packed.shape[0])  # [..., out]
-
-
-# An operator of its own, so that compiled graphs call oneDNN's kernel on the packed weight as it is (inductor cannot
-# lower mkldnn._linear_pointwise on a weight it did not pack itself). Defined through torch.library's low-level API:
-# its dispatch costs about 5 us a call, where torch.library.custom_op's Python wrapper cost 50-90 us, as much as a
-# small product itself (a 2 x 384 by 384 x 384 product takes 45 us on 2 cores).
-_LIBRARY = torch.library.Library("fastgen", "DEF")
-_LIBRARY.define("packed_linear(Tensor x, Tensor packed) -> Tensor")
-_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")  # the packed weight is an MkldnnCPU tensor
-
-
-@torch.library.register_fake("fastgen::packed_linear")
-def _(x: Tensor, packed: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], packed.shape[0])
-
-
-packed_linear = torch.ops.fastgen.packed_linear
-
-
 class Linear(nn.Linear):
     """nn.Linear (no bias) whose products of several rows (verification, prefill, batches) can run on a copy of
-    the weight packed by oneDNN (pack(), chosen per weight shape by onednn_is_faster). On the 2-core AVX-512
-    EPYC this project measures on, MKL's float32 GEMM is 1.6-2.8x slower than oneDNN's at 6-17 rows (the 6- and
-    17-token verify forwards of the tiny target ran 1.9x and 1.6x faster; on a 2-core AVX2 EPYC MKL takes about
-    twice as long for 2 rows as for 1, oneDNN 1.0-1.3x); one row keeps F.linear (MKL, or inductor's own
-    kernels), whose weight stays the parameter: state dicts, tied weights and sharding see nothing else. The
-    packed copy costs the weight's memory once more. The same products, summed in another order: float32
-    rounding apart, the same results."""
+    the weight packed by oneDNN (kernels.use_fast_weight_layout decides per weight shape); one row keeps F.linear.
+    The weight stays the parameter: state dicts, tied weights and sharding see nothing else."""
     packed: Optional[Tensor] = None
 
     def forward(self, x: Tensor) -> Tensor:
-        # a frozen graph (decode.compile_engine's whole graphs on CPU) multiplies with inductor's own kernels, on
-        # weights it packs itself: it traces F.linear; eager forwards and regional graphs keep the packed copy
-        # (torch.compile has imported inductor's config by the time it traces; importing it here would cost every
-        # command that imports this file about 2 s)
+        # a frozen graph (decode's whole graphs on CPU) multiplies with inductor's own kernels on weights it packs
+        # itself, so it traces F.linear (inductor's config is read only once compiling has imported it)
         if self.packed is not None and x.numel() > x.shape[-1] \
                 and not (torch.compiler.is_compiling() and torch._inductor.config.freezing):
             return packed_linear(x, self.packed)
         return F.linear(x, self.weight)
 
     def pack(self):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), PACK_ROWS)
-
-
-PACK_ROWS = 8  # the row count oneDNN tunes a packed weight for, and onednn_is_faster measures at
-
-
-@functools.cache
-def onednn_is_faster(out_features: int, in_features: int) -> bool:
-    """Whether a float32 CPU product of PACK_ROWS rows with a weight [out, in] runs at least 10% faster on a
-    oneDNN-packed weight than through F.linear (MKL), on this machine. Timed once per shape and process (a few
-    milliseconds): the best of 7 turns of 5 calls each, the two taking turns."""
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return False
-    weight, x = torch.randn(out_features, in_features), torch.randn(PACK_ROWS, in_features)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-    candidates = {"packed": lambda: packed_linear(x, packed), "baseline": lambda: F.linear(x, weight)}
-    best = dict.fromkeys(candidates, float("inf"))
-    with torch.no_grad():
-        for fn in candidates.values():
-            fn()  # warm-up
-        for _ in range(7):  # taking turns, so that a busy moment of a shared machine slows both alike
-            for name, fn in candidates.items():
-                start = time.perf_counter()
-                for _ in range(5):
-                    fn()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best["packed"] < 0.9 * best["baseline"]
+        self.packed = pack_weight(self.weight)
 
 
 class Attention(nn.Module):
@@ -489,35 +344,11 @@ class Transformer(nn.Module):
             x = layer(x, rope, mask, slots) if block is None else block(layer, x, rope, mask, slots)
         return x
 
-    def use_fast_weight_layout(self):
-        """Store each linear weight in the memory layout its device multiplies fastest (column_major_is_faster):
-        same shape and values, other strides; and give float32 CPU linears a oneDNN-packed copy for products of
-        several rows where that measures faster (Linear, onednn_is_faster). A runtime choice, made before the
-        first forward: state_dict keys and shapes are unchanged, and an output layer tied to the embeddings still
-        shares its tensor (a lookup reads one row either way). Quantized layers keep the layout of their kernels."""
-        for module in self.modules():
-            weight = module.weight if isinstance(module, nn.Linear) else None
-            if weight is not None and column_major_is_faster(weight) and weight.stride() != (1, weight.shape[0]):
-                weight.data = weight.data.t().contiguous().t()  # [out, in] with strides (1, out)
-            if isinstance(module, Linear) and weight.device.type == "cpu" and weight.dtype == torch.float32 \
-                    and onednn_is_faster(*weight.shape):
-                module.pack()  # products of several rows on oneDNN's packed copy (Linear)
-
     def model_bytes(self) -> int:
         """Bytes of weights read per decoded token (parameters and quantization buffers)."""
         tensors = {id(t): t for t in list(self.parameters()) + [b for n, b in self.named_buffers()
                                                                 if "cache" not in n and "rope" not in n]}
         return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def column_major_is_faster(weight: Tensor) -> bool:
-    """Whether x @ W^T for one token runs faster with the weight W [out, in] stored column-major (as a
-    contiguous W^T). Measured on a 2-core AVX-512 EPYC with torch's CPU BLAS: float32 mat-vecs read a
-    column-major weight 1.05-1.9x faster (SmolLM2's 49152 x 576 output layer at 10 GB/s row-major, 19 GB/s
-    column-major), a SmolLM2 decode step ran 1.2-1.3x faster with every linear so stored; bfloat16 mat-vecs
-    ran 1.1-2x slower, and products of several tokens (batches, verification) were about even. The result
-    is the same up to float32 rounding: the sums run in another order."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
 ROPE_SCALING_KEYS = {"linear": ("factor",),

@@ -1,52 +1,11 @@
-"""Weight-only quantization, int8 per output channel or int4 in groups, and the CLI that writes it.
+"""Weight-only quantization, int8 per output row or int4 in groups, and the CLI that writes it.
 
-    python quantize.py --checkpoint_path checkpoints/tiny/target/model.pth --mode int8          # -> model_int8.pth
-    python quantize.py --checkpoint_path checkpoints/tiny/target/model.pth --mode int4 --groupsize 32
-                                                                                  # -> model_int4.g32.pth
-Decoding one token reads every weight once, so its speed is bounded by the bytes it reads: int8 holds a
-quarter of fp32's bytes, int4 an eighth. Activations stay in floating point; only weights are quantized.
+    python quantize.py --checkpoint_path checkpoints/tiny/target/model.pth --mode int8   # -> model_int8.pth
 
-Schemes (w: one weight, q: the integer stored for it, s: its scale, z: its zero)
-  int8  symmetric, one scale per output row: s = max|w| / 127 over the row, q = round(w / s) in [-127, 127],
-        w ~ q * s.
-  int4  asymmetric, one scale and zero per group of G consecutive inputs of a row (G = --groupsize):
-        s = (max - min) / 15, z = min + 8 s, q = round((w - z) / s) + 8 in [0, 15], w ~ (q - 8) * s + z,
-        so the 16 levels run from the group's min to its max. This is the tinygemm kernels' convention:
-        the CPU kernel reads our scales and zeros as they are.
-  Either way |w - dequantized w| <= s / 2. Scales and zeros are rounded to bfloat16 *before* q is computed,
-  and stored in bfloat16: the CPU kernels take them in bfloat16 only, and every run precision then holds
-  them exactly, so the bound holds as run, not only on paper. (int4: as long as rounding z moves it by
-  less than s / 2, i.e. unless a group sits ~256 steps away from 0; then clamping adds that excess.)
-Which layers
-  wqkv, wo, w1, w2, w3 of every block   int8, or int4 in int4 mode.
-  output                                int8 in both modes: it is read in full every token (for Llama 3.2 1B
-                                        it is a fifth of the weights), and the logits show its error directly:
-                                        int4 there nearly tripled the logits error of the random test model
-                                        (2.4% -> 6.5%), for no speed (the CPU kernels run int4 and int8 at
-                                        about the same speed).
-  tok_embeddings                        full precision: a lookup reads only the rows of the B*T input
-                                        tokens, so quantizing it saves memory but no time per token.
-  tied embeddings (Llama 3.2)           the output gets its own int8 copy; the embedding is left as it is.
-  norms                                 full precision (tiny).
-File
-  {"quantization": scheme, "model": state dict}, scheme {"mode": "int8"} or {"mode": "int4", "groupsize": G};
-  generate.load_model reads the scheme from the file, never from its name. A quantized linear holds
-    int8  weight int8 [N, K], scales bf16 [N]
-    int4  weight uint8 [N, K/2] (two values a byte, column 2i in the low 4 bits, 2i+1 in the high 4 bits),
-          scales_and_zeros bf16 [K/G, N, 2] (the tinygemm layout)
-Kernels
-  CPU   aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu, run on bfloat16 activations
-        whatever the run precision: both are vectorized for bf16 only (on an AVX-512 EPYC their fp32
-        variants ran 20-50x slower). So a quantized fp32 run rounds each linear's input and output to
-        bf16 (relative error ~2^-8, next to int8's own ~2^-8 of a row's largest weight). Each row of the
-        output depends on that row of the input only, bit for bit, so a token scores the same in a
-        one-token decode, a batch or a speculative verification. The int4 kernel's weight layout depends
-        on the CPU's vector width, so the file holds the portable layout above and pack_for_device()
-        rearranges it when a model is loaded (after tensor-parallel sharding); it needs N % 16 == 0, and
-        a layer without falls back to the expression below.
-  other dequantize, then F.linear: plain expressions torch.compile can fuse (gpt-fast's approach on GPUs).
-Tensor parallelism (tp.py) slices a quantized linear before it is packed: int8 like a plain weight (rows
-with their scales; columns of the weight, scales whole), int4 through Int4Linear.keep_rows/keep_columns.
+int8: s = max|w| / 127 per row, q = round(w / s). int4, per group of G inputs: s = (max - min) / 15, z = min + 8 * s,
+q = round((w - z) / s) + 8 in [0, 15] (tinygemm's convention). Scales and zeros are rounded to bf16 (all the CPU
+kernels take) before q is computed, so |w - dequantized w| <= s / 2 holds as run. The output layer is int8 in both
+modes; embeddings and norms stay in full precision. File, kernels and layer choices: docs/quantization.md.
 """
 import argparse
 import sys
@@ -58,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ModelArgs, Transformer, UserError, load_weights, read_checkpoint, run_cli, write_atomically
+from errors import UserError, load_weights, read_checkpoint, run_cli, write_atomically
+from model import ModelArgs, Transformer
 
 GROUPSIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 MIN_SCALE = 1e-6  # an all-equal row or group would otherwise get scale 0
@@ -143,8 +103,8 @@ class Int4Linear(nn.Module):
         return F.linear(x, dequantize_int4(self.weight, self.scales_and_zeros, self.groupsize, x.dtype))
 
     def pack_for_cpu(self):
-        """Rearrange the weight into the layout of aten._weight_int4pack_mm_for_cpu (it depends on the CPU's
-        vector width, so it is made here, at load time, never stored). The kernel needs N % 16 == 0."""
+        """Rearrange the weight for aten._weight_int4pack_mm_for_cpu, whose layout depends on the CPU's vector
+        width (so it is made at load time, never stored). The kernel needs N % 16 == 0."""
         if not self.packed_for_cpu and self.weight.device.type == "cpu" and self.out_features % 16 == 0:
             q = unpack_int4(self.weight).to(torch.int32)
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # 1: inner k-tiles, unused on CPU
@@ -236,8 +196,8 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
 
 
 def check_state_dict(state_dict: dict, args: ModelArgs, path: Path):
-    """The full-precision weights fit config.json's model exactly (names, shapes, floating point, finite), as
-    generate.load_model will require: nothing is written for a checkpoint that could not load or run."""
+    """Refuse weights that do not fit config.json's model exactly (names, shapes, floating point), as
+    generation.load_model would: nothing is written for a checkpoint that could not load."""
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_word_embeddings and "output.weight" not in state_dict and "tok_embeddings.weight" in state_dict:

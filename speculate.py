@@ -9,7 +9,7 @@ draftmodel.py, the drafter with another tokenizer in crossdraft.py.
 """
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -248,27 +248,96 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     return results
 
 
-class TreeSpeculator:
+# ----------------------------------------------------------------------------- the speculative loop
+
+class Drafter(Protocol):
+    """What the speculative loop asks of a draft source (draftmodel.ModelDrafter, NgramDrafter): every step, one
+    token tree per row, rooted at the row's current token."""
+    kind: str  # for the stats: "draft" (a chain), "tree" or "ngram"
+    depth: int  # draft tokens per path
+    tree_nodes: int  # drafted nodes per tree (== depth: a chain)
+    lookahead: int  # cache slots a step may write past the accepted tokens
+
+    def start(self, prompts: list, max_seq_length: int) -> int:
+        """A new generation after each row's prompt; returns the draft forwards it ran."""
+
+    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling) -> tuple:
+        """One tree per row, rooted at roots[b] (cache slot pos[b]; contexts[b] ends with it), and the draft
+        forwards they took."""
+
+    def accepted(self, paths: list, trees: list, pos: list):
+        """The verifier accepted paths[b] (node indices of trees[b]) in each row; None in a finished row."""
+
+    def finish(self, outs: list):
+        """The generation ended with these new tokens (one list per row)."""
+
+
+class AutoChoice:
+    """speculate_k auto: grow the depth after fully accepted chains, shrink it after rejections; and per batch size,
+    speculate only where it makes more tokens per second than plain decoding. The first generation at a batch size
+    times a plain decode step, then its first AUTO_PROBE_STEPS speculative steps (after one untimed step, which may
+    compile graphs); later generations at that batch size go straight to the choice made. Which lossless procedure
+    makes the next tokens depends only on the past, so the output stays lossless."""
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.plain_wins = {}  # batch size -> whether plain decoding was faster
+        self.trial = None  # {"plain": seconds of a plain step, "steps", "seconds", "tokens", "plain_tokens"}
+
+    def first_depth(self) -> int:
+        return min(2, self.max_depth)
+
+    def start(self, batch: int, time_plain_step) -> bool:
+        """Whether to decode plainly from the start; without a choice for this batch size yet, a trial begins."""
+        if batch in self.plain_wins:
+            return self.plain_wins[batch]
+        self.trial = {"batch": batch, "plain": time_plain_step(), "steps": 0, "seconds": 0.0, "tokens": 0,
+                      "plain_tokens": 0}
+        return False
+
+    def timing(self) -> bool:
+        return self.trial is not None
+
+    def record(self, seconds: float, tokens: int, rows: int) -> bool:
+        """A timed speculative step (its wall time, the tokens it made, the live rows: a plain step makes one each);
+        returns True where the trial is over and plain decoding won."""
+        trial = self.trial
+        trial["steps"] += 1
+        if trial["steps"] > 1:
+            trial["seconds"] += seconds
+            trial["tokens"] += tokens
+            trial["plain_tokens"] += rows
+        if trial["steps"] <= AUTO_PROBE_STEPS:
+            return False
+        plain = trial["tokens"] / trial["seconds"] < trial["plain_tokens"] / trial["plain"]
+        self.plain_wins[trial["batch"]] = plain
+        self.trial = None
+        return plain
+
+    def next_depth(self, depth: int, accepted: list) -> int:
+        mean = sum(accepted) / max(len(accepted), 1)
+        if mean == depth:
+            return min(self.max_depth, depth + 2)
+        return max(1, depth - 1) if mean < depth - 0.5 else depth
+
+
+class Speculator:
     """The generation loop shared by every drafter: draft a tree per row, verify them all in one target forward,
-    compact the caches, repeat. Rows (different prompts) keep their own cache length, acceptance and stop."""
-    kind = "tree"
+    accept a path per row and compact the caches, repeat. Rows (different prompts) keep their own cache length,
+    acceptance and stop."""
 
-    def __init__(self, depth: int, tree_nodes: int, auto_depth: bool = False):
-        self.depth, self.tree_nodes, self.auto_depth = depth, tree_nodes, auto_depth
-        self.auto_choice = {}  # --speculate_k auto: batch size -> "plain" or "speculate", as measured
-        self.lookahead = tree_nodes + 2  # cache slots a step may write past the accepted tokens
-
-    def compile(self, device: str, compile_prefill: bool = False, whole_graph: Optional[bool] = None,
-                autotune: bool = False):
-        pass
+    def __init__(self, drafter: Drafter, auto: bool = False):
+        self.drafter = drafter
+        self.auto = AutoChoice(drafter.depth) if auto else None
+        self.kind, self.lookahead = drafter.kind, drafter.lookahead
 
     def generate(self, target: Engine, prompts: list, first: Tensor, max_new_tokens: int, sampling: Sampling,
                  eos_ids: list, stop_at_eos: bool, callback=None):
         """Tokens after each row's prompt (lists of ids, any lengths; the target's cache holds them, right-padded)
         and `first` ([B], the prefill's tokens). Returns ([new ids per row], acceptance stats)."""
-        batch = len(prompts)
+        drafter, batch = self.drafter, len(prompts)
         assert callback is None or batch == 1, "streaming is for one row"
-        stats = Stats(self.depth, self.tree_nodes)
+        stats = Stats(drafter.depth, drafter.tree_nodes)
         eos = set(eos_ids)
         pos = [len(p) for p in prompts]  # each row's slot of its current token (last accepted, not yet cached)
         outs = [[t] for t in first.tolist()]
@@ -280,39 +349,26 @@ class TreeSpeculator:
 
         live = [not finished(out) for out in outs]
         contexts = [p + out for p, out in zip(prompts, outs)]  # a finished row's stays as it was: it idles
-        # --speculate_k auto: the first generation at a batch size times a plain decode step, then its first
-        # speculative steps, and decodes plainly from there on if speculation produced fewer tokens per second
-        # (large batches: the verify forward is compute bound); later generations at that batch size go straight
-        # to the choice made. Which lossless procedure makes the next tokens depends only on the past: lossless.
-        choice = self.auto_choice.get(batch) if self.auto_depth else "speculate"
-        plain_seconds = None
-        if choice is None:
-            plain_seconds = self.plain_step_seconds(target, contexts, pos, sampling)
-        elif choice == "plain" and any(live):
+
+        def decode_the_rest():
             stats.plain_after = stats.target_forwards
-            left = max(max_new_tokens - len(out) for out, alive in zip(outs, live) if alive)
-            stats.target_forwards += self.decode_plainly(target, contexts, pos, outs, live, finished, left,
-                                                         sampling, eos_ids, stop_at_eos, callback)
+            left = max([max_new_tokens - len(out) for out, alive in zip(outs, live) if alive] or [0])
+            stats.target_forwards += decode_plainly(target, contexts, pos, outs, live, finished, left, sampling,
+                                                    eos_ids, stop_at_eos, callback)
+
+        if self.auto and any(live) and self.auto.start(batch, lambda: plain_step_seconds(target, contexts, pos,
+                                                                                            sampling)):
+            decode_the_rest()
         if any(live):
-            stats.draft_forwards += self.start(prompts, target.model.max_seq_length)
-        depth = self.depth if not self.auto_depth else min(2, self.depth)
-        timed = {"steps": 0, "seconds": 0.0, "tokens": 0, "plain_tokens": 0}
+            stats.draft_forwards += drafter.start(prompts, target.model.max_seq_length)
+        depth = self.auto.first_depth() if self.auto else drafter.depth
         while any(live):
-            if plain_seconds is not None and timed["steps"] == AUTO_PROBE_STEPS + 1:
-                plain_wins = timed["tokens"] / timed["seconds"] < timed["plain_tokens"] / plain_seconds
-                self.auto_choice[batch] = "plain" if plain_wins else "speculate"
-                plain_seconds = None  # timed enough
-                if plain_wins:
-                    stats.plain_after = stats.target_forwards
-                    left = max(max_new_tokens - len(out) for out, alive in zip(outs, live) if alive)
-                    stats.target_forwards += self.decode_plainly(target, contexts, pos, outs, live, finished, left,
-                                                                 sampling, eos_ids, stop_at_eos, callback)
-                    break
             started, produced, rows = time.perf_counter(), sum(map(len, outs)), sum(live)
-            trees, forwards = self.draft([c[-1] for c in contexts], pos, depth, contexts, sampling)
-            results = verify_step(target, [tree.pad_to(self.tree_nodes + 1) for tree in trees], pos, sampling, live)
+            trees, forwards = drafter.draft([c[-1] for c in contexts], pos, depth, contexts, sampling)
+            results = verify_step(target, [tree.pad_to(drafter.tree_nodes + 1) for tree in trees], pos, sampling,
+                                  live)
             paths = [result[0] if result else None for result in results]
-            self.accepted(paths, trees, pos)
+            drafter.accepted(paths, trees, pos)
             stats.draft_forwards += forwards
             stats.target_forwards += 1
             for b, result in enumerate(results):
@@ -332,71 +388,55 @@ class TreeSpeculator:
                 if live[b]:
                     pos[b] += len(new)
                     contexts[b] += new
-            if plain_seconds is not None:
+            if self.auto and self.auto.timing():
                 synchronize(target.model)
-                timed["steps"] += 1
-                if timed["steps"] > 1:  # the first step may have compiled graphs
-                    timed["seconds"] += time.perf_counter() - started
-                    timed["tokens"] += sum(map(len, outs)) - produced
-                    timed["plain_tokens"] += rows
-            if self.auto_depth:  # grow after fully accepted chains, shrink after rejections
-                accepted = [len(p) for p, r in zip(paths, results) if r is not None]
-                mean = sum(accepted) / max(len(accepted), 1)
-                depth = min(self.depth, depth + 2) if mean == depth else max(1, depth - 1) if mean < depth - 0.5 \
-                    else depth
-        self.finish(outs)
+                if self.auto.record(time.perf_counter() - started, sum(map(len, outs)) - produced, rows) \
+                        and any(live):
+                    decode_the_rest()
+                    break
+            if self.auto:
+                depth = self.auto.next_depth(depth, [len(p) for p, r in zip(paths, results) if r is not None])
+        drafter.finish(outs)
         return outs, stats.summary()
 
-    @staticmethod
-    def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling) -> float:
-        """Seconds of one plain decode step of the whole batch: the target's decode graph on each row's current
-        token, which writes only the cache slot that token's verification writes again with the same values.
-        Timed on the second call (the first may compile the graph)."""
-        model = target.model
-        device = model.tok_embeddings.weight.device
-        x = torch.tensor([c[-1] for c in contexts], device=device).view(-1, 1)  # [B, 1]
-        input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
-        for _ in range(2):
-            synchronize(model)
-            started = time.perf_counter()
-            with sdpa_context():
-                target.decode_one_token(model, x, input_pos, sampling)
-            synchronize(model)
-        return time.perf_counter() - started
 
-    @staticmethod
-    def decode_plainly(target: Engine, contexts: list, pos: list, outs: list, live: list, finished, n: int,
-                       sampling: Sampling, eos_ids: list, stop_at_eos: bool, callback=None) -> int:
-        """Finish the live rows one token per target forward (decode.decode_n_tokens: at most n tokens after
-        each row's current one); returns the forwards it took."""
-        device = target.model.tok_embeddings.weight.device
-        roots = torch.tensor([c[-1] for c in contexts], device=device)  # [B]
-        rest = decode_n_tokens(target, roots, torch.tensor(pos, device=device), n, sampling, eos_ids, stop_at_eos,
-                               callback)
-        for b, column in enumerate(torch.stack(rest, 1).tolist()):  # [B, forwards]
-            for t in column:
-                if not live[b]:
-                    break
-                outs[b].append(t)
-                live[b] = not finished(outs[b])
-        return len(rest)
+def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling) -> float:
+    """Seconds of one plain decode step of the whole batch: the target's decode graph on each row's current token,
+    which writes only the cache slot that token's verification writes again with the same values. Timed on the
+    second call (the first may compile the graph)."""
+    model = target.model
+    device = model.tok_embeddings.weight.device
+    x = torch.tensor([c[-1] for c in contexts], device=device).view(-1, 1)  # [B, 1]
+    input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
+    for _ in range(2):
+        synchronize(model)
+        started = time.perf_counter()
+        with sdpa_context():
+            target.decode_one_token(model, x, input_pos, sampling)
+        synchronize(model)
+    return time.perf_counter() - started
 
-    # what a drafter provides
-    def start(self, prompts: list, max_seq_length: int) -> int:
-        """A new generation after each row's prompt; returns the draft forwards it ran."""
+
+def decode_plainly(target: Engine, contexts: list, pos: list, outs: list, live: list, finished, n: int,
+                   sampling: Sampling, eos_ids: list, stop_at_eos: bool, callback=None) -> int:
+    """Finish the live rows one token per target forward (decode.decode_n_tokens: at most n tokens after each row's
+    current one); returns the forwards it took."""
+    device = target.model.tok_embeddings.weight.device
+    roots = torch.tensor([c[-1] for c in contexts], device=device)  # [B]
+    rest = decode_n_tokens(target, roots, torch.tensor(pos, device=device), n, sampling, eos_ids, stop_at_eos,
+                           callback)
+    if not rest:
         return 0
+    for b, column in enumerate(torch.stack(rest, 1).tolist()):  # [B, forwards]
+        for t in column:
+            if not live[b]:
+                break
+            outs[b].append(t)
+            live[b] = not finished(outs[b])
+    return len(rest)
 
-    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling):
-        """One tree per row, rooted at roots[b] (cache slot pos[b]; contexts[b] ends with it), and the draft
-        forwards they took."""
-        raise NotImplementedError
 
-    def accepted(self, paths: list, trees: list, pos: list):
-        """The verifier accepted paths[b] (node indices of trees[b]) in each row; None in a finished row."""
-
-    def finish(self, outs: list):
-        """The generation ended with these new tokens (one list per row)."""
-
+# ----------------------------------------------------------------------------- n-gram lookup
 
 class Lookup:
     """Draft-free drafting (Lookahead, Zhao et al. 2023): continuations of the current suffix found
@@ -441,12 +481,12 @@ class Lookup:
         return {}
 
 
-class NgramSpeculator(TreeSpeculator):
+class NgramDrafter:
     """The lookup trie's most frequent branches become the tree. Children are chosen deterministically."""
     kind = "ngram"
 
     def __init__(self, n: int, depth: int, tree_nodes: int):
-        super().__init__(depth, tree_nodes)
+        self.depth, self.tree_nodes, self.lookahead = depth, tree_nodes, tree_nodes + 2
         self.lookup = Lookup(n)
 
     def start(self, prompts: list, max_seq_length: int) -> int:
@@ -467,6 +507,9 @@ class NgramSpeculator(TreeSpeculator):
             node = tree.add(token, parent)
             frontier += [(-c, depth + 1, t, s, node) for t, (c, s) in sub.items()]
         return tree
+
+    def accepted(self, paths: list, trees: list, pos: list):
+        pass
 
     def finish(self, outs: list):
         for out in outs:

@@ -9,31 +9,15 @@
     tok.chat_template                the checkpoint's Jinja chat template, or None
     tok.render_chat(messages) -> text, tok.chat_ids(messages) -> ids   as `apply_chat_template` renders them
 
-Files, read with the `tokenizers` package (transformers is not needed):
-- `tokenizer.json` (Llama 3, SmolLM2, Mistral, ...) is used as it is, preferred to `tokenizer.model` as transformers
-  prefers it. Its post-processor alone adds BOS/EOS: transformers 5 ignores tokenizer_config.json's
-  add_bos_token / add_eos_token when a tokenizer.json exists.
-- `tokenizer.model` (sentencepiece: Llama 2, TinyLlama, our tiny pair) is converted as transformers 5 converts it
-  for LlamaTokenizer: a BPE over the pieces (merges ranked by piece id), no normalizer, special text split out,
-  BOS per add_bos_token (default True: transformers 5 adds none when the key is absent, which would drop the BOS
-  these models were trained with) and EOS per add_eos_token (default False).
-- LlamaTokenizer pre-tokenization, which transformers 5 also imposes on a non-byte-level tokenizer.json whose
-  tokenizer_config.json names LlamaTokenizer[Fast]: spaces become "▁" and one "▁" is prepended to text that does
-  not start with a space, only at the start of the input (`"legacy": true`: after every special token too;
-  `"add_prefix_space": false`: never). So " hi" is "▁hi", not sentencepiece's "▁▁hi". A tokenizer.model whose
-  config does not name LlamaTokenizer (our tiny pair has none) prepends only if its own add_dummy_prefix says so,
-  as sentencepiece does (transformers 5 would not prepend, nor add a BOS).
-Chat: the template is `chat_template.jinja` beside the tokenizer, else tokenizer_config.json's `chat_template`
-(a string, or a list of {name, template}: "default"). It runs in jinja2's immutable sandbox with transformers'
-helpers; without one, Llama 3's header format is used when the vocabulary has <|start_header_id|>, else Llama 2's
-[INST] format.
+`tokenizer.json` is used as it is; `tokenizer.model` (sentencepiece) is converted as transformers 5 converts it for
+LlamaTokenizer. The rules that make the ids match transformers' are in docs/tokenizers-and-chat.md.
 """
 import json
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-from model import UserError
+from errors import UserError
 
 # tokens ending an assistant turn (or the text) in the formats we know: those the tokenizer has as added tokens
 # (never plain text) stop generation, beside its EOS token

@@ -1,28 +1,9 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) over torch.distributed, launched by torchrun.
 
-    torchrun --nproc_per_node=8 generate.py --compile --checkpoint_path checkpoints/meta-llama/Llama-2-70b-hf/model.pth
-
-Every rank holds a slice of each transformer block and runs the same program on the same tokens:
-  attention      wqkv column-parallel: rank r keeps its n_head/N query heads and n_kv/N key/value heads
-                 (re-fused as [q; k; v]), so its KV cache holds only its KV heads; wo row-parallel
-  feed-forward   w1 (gate), w3 (up) column-parallel; w2 (down) row-parallel
-  after wo and after w2 the partial sums are added up by one all-reduce: two per block.
-Column-parallel keeps a range of output rows (and a quantized layer's per-row scales with them);
-row-parallel keeps a range of input columns (int4's group scales are sliced with them, int8's per-row
-scales stay whole). The collectives are torch.ops._c10d_functional ops, so torch.compile traces them.
-
-What is not split, and why:
-  tok_embeddings  replicated: a lookup reads only the B*T rows it needs, so sharding saves memory
-                  but no bandwidth, and would cost one more all-reduce per forward.
-  output          sharded by vocabulary rows when N divides the vocabulary, then all-gathered: it is
-                  read in full every forward (Llama 3's 128K x 8192 is 12% of a 70B rank's per-token
-                  reads at N=8), and the gathered logits are small. Otherwise it is replicated.
-  the draft       (speculative decoding) replicated: it is small, and its forwards are latency-bound,
-                  not bandwidth-bound; sharding would add 2 all-reduces per layer to each of the K
-                  draft forwards per step for almost no bandwidth saved.
-Ranks never diverge: every rank computes the full logits (the all-reduce and all-gather hand every
-rank the same bits), and sampling, speculate.verify's torch.rand and the draft all run from the same
-seed (generate.py seeds every rank alike), so all ranks pick the same tokens without a broadcast.
+Every rank holds a slice of each block: wqkv (its n_head/N query and n_kv/N KV heads), w1 and w3 column-parallel;
+wo and w2 row-parallel, their partial sums added by one all-reduce each. The output layer is split by vocabulary rows
+(when N divides it) and all-gathered; embeddings and the draft are replicated. Ranks never diverge: all compute the
+same logits and sample from the same seed, so they pick the same tokens without a broadcast (docs/tensor-parallel.md).
 """
 import math
 import os
@@ -34,17 +15,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from model import UserError
+from errors import UserError
 
 
 JOIN_TIMEOUT = 60  # seconds every rank waits for the others to join (FASTGEN_DIST_TIMEOUT overrides it)
 
 
 def init_distributed(device: str) -> tuple:
-    """Join the torchrun job (global RANK/WORLD_SIZE, so several nodes work the same); returns (rank, world_size).
-    NCCL on CUDA, each rank on cuda:LOCAL_RANK; gloo on CPU. A rank whose peers do not all join within
-    FASTGEN_DIST_TIMEOUT seconds (default 60) gives up with a UserError instead of waiting forever; the
-    collectives afterwards keep the backend's own, longer timeout (one rank may compile or load for minutes)."""
+    """Join the torchrun job; returns (rank, world_size). NCCL on cuda:LOCAL_RANK, else gloo. Raises UserError if
+    the peers do not join within join_timeout(); collectives keep the backend's longer timeout (loads can be slow)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
             raise UserError("WORLD_SIZE > 1 but RANK/MASTER_ADDR are not set: launch with "
@@ -107,8 +86,8 @@ def check_world_size(model, world_size: int):
 
 
 def apply_tp(model, rank: int, world_size: int):
-    """Shard a loaded target model in place for this rank. generate.load_model calls it on the memory-mapped
-    checkpoint, before the model moves to its device, so each rank reads and holds only its own part."""
+    """Shard a loaded target model in place for this rank; generation.load_model calls it on the memory-mapped
+    checkpoint, before the move to the device, so each rank reads only its own part."""
     check_world_size(model, world_size)
     group = dist.group.WORLD.group_name if dist.is_initialized() else None
     for layer in model.layers:
@@ -160,8 +139,7 @@ def replace(module: nn.Module, name: str, tensor: Tensor):
 
 
 def keep_rows(linear: nn.Module, rows: Tensor):
-    """Column-parallel: keep these output rows of the weight and of every per-row tensor (int8's scales).
-    A module whose tensors do not hold rows along dim 0 (int4's [K/G, N, 2] scales) slices itself."""
+    """Column-parallel: keep these output rows of every tensor (int8's scales too); int4 slices itself."""
     if hasattr(linear, "keep_rows"):
         return linear.keep_rows(rows)
     for name, tensor in own_tensors(linear):
@@ -171,9 +149,8 @@ def keep_rows(linear: nn.Module, rows: Tensor):
 
 
 def keep_columns(linear: nn.Module, rank: int, world_size: int):
-    """Row-parallel: keep this rank's slice of the input dimension (dim 1) of the weight; 1-D per-output-row
-    scales (int8) stay whole: each rank's partial sum is scaled before the all-reduce. A module with its own
-    keep_columns (int4: group scales along dim 0, and a shard must hold whole groups) slices itself."""
+    """Row-parallel: keep this rank's slice of the weight's inputs (dim 1); int8's per-row scales stay whole (each
+    partial sum is scaled before the all-reduce); int4 slices itself, whole groups only."""
     if hasattr(linear, "keep_columns"):
         return linear.keep_columns(rank, world_size)
     for name, tensor in own_tensors(linear):
@@ -185,11 +162,8 @@ def keep_columns(linear: nn.Module, rank: int, world_size: int):
 
 
 def end_process(error=None, status: int = 1):
-    """End this rank's process: after a successful run all ranks leave together and release the process
-    group; `error` is printed and ends it with `status` (no barrier: another rank may be inside a collective,
-    torchrun stops it). The interpreter's own shutdown is skipped: the collective library's worker threads
-    can still be dropping the last collectives' tensors, and if that happens while Python tears itself down
-    the process aborts ("terminate called without an active exception", seen with gloo on a loaded CPU)."""
+    """End this rank: on success all ranks leave together; else print `error`, exit with `status`, no barrier (a peer
+    may be inside a collective). os._exit: interpreter shutdown can abort while the collective threads free tensors."""
     if error is None:
         dist.barrier()
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Decode speed, in one process run: our generate() (eager and compiled: regional, whole graph, autotuned;
+"""Decode speed, in one process run: our generation.generate() (eager and compiled: regional, whole graph, autotuned;
 fp32, bf16, int8, int4) against transformers' greedy generate() on the same weights, beside the bandwidth
 this machine measures. The real model against llama.cpp on its GGUF: scripts/bench_real.py.
 
@@ -8,8 +8,8 @@ this machine measures. The real model against llama.cpp on its GGUF: scripts/ben
 Every row: tokens/s (best of --repeats, prefill of a short prompt included), achieved GB/s (weight bytes
 read per token x tokens/s), that as a % of the measured read bandwidth, and the roofline (measured read
 bandwidth / weight bytes per token): the most tokens/s a decode that reads each weight once can reach.
-Quantized checkpoints are written by quantize.py beside the fp32 ones and loaded through generate.py's
-loader, exactly as a user runs them.
+Quantized checkpoints are written by quantize.py beside the fp32 ones and loaded through
+generation.load_model, exactly as generate.py runs them.
 """
 import argparse
 import json
@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import benchlib  # noqa: E402
 from benchlib import ROOT
 import decode  # noqa: E402
-import generate  # noqa: E402
-from model import ModelArgs, Transformer, write_atomically
+import generation  # noqa: E402
+from errors import write_atomically
+from model import ModelArgs, Transformer
 
 TINY_TARGET = ROOT / "checkpoints/tiny/target/model.pth"  # scripts/train_tiny.py's target, labelled "tiny"
 
@@ -63,14 +64,13 @@ def bench_model(label: str, model_pth: Path, args, bandwidth: dict, with_transfo
     reference_ids = None
     for precision, quant in [v for v in VARIANTS if (v[1] or v[0]) in args.variants.split(",")]:
         path = benchlib.quantized_checkpoint(model_pth, quant, args.int4_groupsize) if quant else model_pth
-        model = generate.load_model(path, "cpu", decode.PRECISIONS[precision])
+        model = generation.load_model(path, "cpu", decode.PRECISIONS[precision])
         nbytes = model.model_bytes()
         modes = ["eager"] if args.no_compile else args.modes.split(",")
         for mode in modes:
             torch._dynamo.reset()
             t = time.perf_counter()
-            engine = decode.Engine(model) if mode == "eager" else \
-                decode.compile_engine(model, "cpu", False, whole_graph=mode != "regional", autotune=mode == "autotune")
+            engine = decode.compile_engine(model, "cpu", "none" if mode == "eager" else mode)
             tps, tokens, _ = benchlib.time_ours(engine, prompt, args.new_tokens, greedy, repeats=args.repeats)
             row = {"model": label, "impl": "ours", "precision": precision, "quant": quant or "-",
                    "compile": mode, "tokens_per_sec": tps, "gbs": nbytes * tps / 1e9,
@@ -115,9 +115,9 @@ def main(argv=None):
     p.add_argument("--skip_large", action="store_true")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--modes", default="eager,regional,autotune",
-                   help="comma-separated: eager, regional (the CPU --compile default for deep models), whole "
-                        "(--compile_whole_graph, and the default for shallow ones), "
-                        "autotune (--compile_autotune)")
+                   help="comma-separated: eager, regional (generate.py --compile regional: what --compile picks for "
+                        "deep models on the CPU), whole (--compile whole: what it picks for shallow ones), autotune "
+                        "(--compile autotune), auto (--compile)")
     p.add_argument("--variants", default="fp32,bf16,int8,int4", help="comma-separated: which of ours to run")
     p.add_argument("--prompt_tokens", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=128)

@@ -23,25 +23,24 @@ import benchlib  # noqa: E402
 from benchlib import ROOT  # noqa: E402
 from bench_speculative import load_prompts  # noqa: E402
 import decode  # noqa: E402
-import generate  # noqa: E402
-import draftmodel  # noqa: E402
+import generation  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 
-def time_batches(engine, drafters: dict, prompts: list, new_tokens: int, sampling, repeats: int) -> dict:
+def time_batches(engine, speculators: dict, prompts: list, new_tokens: int, sampling, repeats: int) -> dict:
     """name -> (total tokens/s, rows of the last run, stats of the last run), configurations taking turns, in
-    reversed order every other turn (running first in a turn measured a few percent faster than running second)."""
-    best, last = {name: float("inf") for name in drafters}, {}
+    reversed order every other turn (running first in a turn can measure faster than running second)."""
+    best, last = {name: float("inf") for name in speculators}, {}
     for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
-        for name, drafter in list(drafters.items())[::1 if turn % 2 else -1]:
+        for name, speculator in list(speculators.items())[::1 if turn % 2 else -1]:
             torch.manual_seed(0)
             start = time.perf_counter()
-            rows, stats = generate.generate(engine, [list(p) for p in prompts], new_tokens, sampling, eos_ids=[],
-                                            stop_at_eos=False, drafter=drafter)
+            rows, stats = generation.generate(engine, [list(p) for p in prompts], new_tokens, sampling, eos_ids=[],
+                                              stop_at_eos=False, speculator=speculator)
             if turn:
                 best[name] = min(best[name], time.perf_counter() - start)
             last[name] = (rows, stats)
-    return {name: (sum(map(len, last[name][0])) / best[name], *last[name]) for name in drafters}
+    return {name: (sum(map(len, last[name][0])) / best[name], *last[name]) for name in speculators}
 
 
 @torch.no_grad()
@@ -89,8 +88,8 @@ def compare_padding(engine, prompts: list, sizes: list, new_tokens: int, repeats
                 ids[name] = decode_padded(engine, prompts[:batch], new_tokens, left=name == "left padding")
                 if turn:
                     best[name] = min(best[name], time.perf_counter() - start)
-        plain = generate.generate(engine, [list(p) for p in prompts[:batch]], new_tokens, decode.Sampling(), [],
-                                  stop_at_eos=False)[0]
+        plain = generation.generate(engine, [list(p) for p in prompts[:batch]], new_tokens, decode.Sampling(), [],
+                                    stop_at_eos=False)[0]
         per_row = batch * new_tokens / best["per-row positions"]
         for name, seconds in best.items():
             rows.append({"batch": batch, "layout": name, "tokens_per_sec": batch * new_tokens / seconds,
@@ -126,7 +125,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--autotune", action="store_true",
-                   help="compile as generate.py --compile_autotune does (whole graphs, autotuned GEMM kernels)")
+                   help="compile as generate.py --compile autotune does (whole graphs, autotuned GEMM kernels)")
     p.add_argument("--only", default=None, help="comma-separated speculative configurations to run beside plain "
                                                  "(default: chain K=5, tree N=16 K=5, chain K=auto; '' for none)")
     p.add_argument("--no_transformers", action="store_true")
@@ -144,12 +143,12 @@ def main(argv=None):
         if not path.is_file():
             sys.exit(f"error: {path} not found: train the pair with python scripts/train_tiny.py --out_dir {args.pair}")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    target, draft = generate.load_model(target_pth), generate.load_model(draft_pth)
+    target, draft = generation.load_model(target_pth), generation.load_model(draft_pth)
     tokenizer = get_tokenizer(args.pair / "target")
     files, prompts, _ = load_prompts(args.pair, tokenizer, max(sizes), args.prompt_tokens, 64)
     prompts = [p[: len(p) - 7 * i] for i, p in enumerate(prompts)]  # different lengths, whatever the files
-    engine = decode.Engine(target) if args.no_compile else \
-        decode.compile_engine(target, "cpu", False, autotune=args.autotune)
+    mode = "none" if args.no_compile else "autotune" if args.autotune else "auto"  # the draft's too
+    engine = decode.compile_engine(target, "cpu", mode)
     if args.padding:
         rows = compare_padding(engine, prompts, sizes, args.new_tokens, args.repeats)
         print()
@@ -165,14 +164,14 @@ def main(argv=None):
     configs = {f"chain K={k}": (k, None), f"tree N={nodes} K={k}": (k, nodes), "chain K=auto": ("auto", None)}
     if args.only is not None:
         configs = {name: c for name, c in configs.items() if name in args.only.split(",")}
+    draft_engine = decode.compile_engine(draft, "cpu", mode) if configs else None
     rows = []
     for batch in sizes:
-        drafters = {"plain": None}
+        speculators = {"plain": None}
         for name, (depth, n) in configs.items():
-            drafters[name] = draftmodel.make_drafter(draft, depth, n, 0, max_seq_length=4096)
-            if not args.no_compile:
-                drafters[name].compile("cpu", autotune=args.autotune)
-        results = time_batches(engine, drafters, prompts[:batch], args.new_tokens, sampling, args.repeats)
+            speculators[name] = generation.make_speculator(generation.Speculation(depth, n), draft_engine,
+                                                           max_seq_length=4096)
+        results = time_batches(engine, speculators, prompts[:batch], args.new_tokens, sampling, args.repeats)
         plain_tps, plain_rows, _ = results["plain"]
         hf_tps = time_transformers_batch(hf_target, prompts[:batch], args.new_tokens, args.repeats) \
             if hf_target is not None else None

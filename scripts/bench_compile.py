@@ -7,16 +7,16 @@ Each variant runs twice, each time in a new process: "cold" with an empty induct
 (TORCHINDUCTOR_CACHE_DIR set to a new temporary directory, so nothing compiled before is reused; this also
 pays inductor's one-time probe of the CPU's vector instructions), then "warm" with the directory the cold run
 filled (FX graph cache and AOTAutograd cache hits). Columns:
-  compile s     the first generate() of 8 tokens (eager prefill, then the decode graphs compile)
+  compile s     the first generation.generate() of 8 tokens (eager prefill, then the decode graphs compile)
   verify s      then the first call of engine.forward on 6 tokens with a mask (a chain K=5 verification shape)
   draft s       then compile_engine on the draft model and its first generate() (speculative runs)
   tok/s         best of --repeats greedy generate() runs of --new_tokens tokens after a 16-token prompt
   same          the greedy tokens equal the eager model's
-Variants: eager; "whole graph" (compile_engine(whole_graph=True): one graph, inductor freezing on CPU);
-"regional" (the CPU default for models of more than 8 layers: one compiled block for every layer); "autotune"
-(generate.py --compile_autotune: the whole graph with every matmul shape timed against inductor's C++ GEMM
-templates); the "row-major" variants keep every weight in its checkpoint layout
-(Transformer.use_fast_weight_layout skipped), which is how whole-graph compilation ran before regional
+Variants: eager (mode "none"); "whole graph" (compile_engine mode "whole", generate.py --compile whole: one graph,
+inductor freezing on CPU); "regional" (mode "regional", what --compile picks on the CPU for models of more than 8
+layers: one compiled block for every layer); "autotune" (generate.py --compile autotune: the whole graph with every
+matmul shape timed against inductor's C++ GEMM templates); the "row-major" variants keep every weight in its
+checkpoint layout (kernels.use_fast_weight_layout skipped), which is how whole-graph compilation ran before regional
 compilation and the per-device layout were added.
 """
 import argparse
@@ -45,24 +45,24 @@ MODELS = [  # label, target, draft (the draft of scripts/demo.sh for SmolLM2: it
 def child(variant: str, target: str, draft: str, new_tokens: int, repeats: int) -> dict:
     """One process: load, compile as `variant`, time; returns the row."""
     import decode
-    import generate
-    from model import Transformer
+    import generation
+    import kernels
 
-    if "row-major" in variant:
-        Transformer.use_fast_weight_layout = lambda self: None
+    if "row-major" in variant:  # generation.load_model calls the name it imported from kernels
+        generation.use_fast_weight_layout = kernels.use_fast_weight_layout = lambda model: None
     greedy = decode.Sampling()
     prompt = torch.arange(3, 19)
 
+    mode = {"eager": "none", "whole graph": "whole", "regional": "regional", "autotune": "autotune"}[
+        variant.split(",")[0]]
+
     def make_engine(model):
-        if variant == "eager":
-            return decode.Engine(model)
-        return decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=variant.startswith("whole"),
-                                     autotune=variant == "autotune")
+        return decode.compile_engine(model, "cpu", mode)
 
     def run(engine, n):
-        return generate.generate(engine, prompt, n, greedy, [], stop_at_eos=False)[0][0]
+        return generation.generate(engine, prompt, n, greedy, [], stop_at_eos=False)[0][0]
 
-    model = generate.load_model(target)
+    model = generation.load_model(target)
     reference = run(decode.Engine(model), new_tokens)
     row = {}
     t = time.perf_counter()
@@ -70,14 +70,14 @@ def child(variant: str, target: str, draft: str, new_tokens: int, repeats: int) 
     run(engine, 8)
     row["compile_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    with torch.no_grad():  # as generate() runs
+    with torch.no_grad():  # as generation.generate() runs
         positions = torch.arange(16, 22).view(1, -1)
         mask = torch.arange(model.max_seq_length).view(1, 1, 1, -1) <= positions.view(1, 1, -1, 1)
         engine.forward(torch.arange(40, 46).view(1, -1), positions, positions, mask)
     row["verify_s"] = time.perf_counter() - t
     if draft:
         t = time.perf_counter()
-        run(make_engine(generate.load_model(draft)), 8)
+        run(make_engine(generation.load_model(draft)), 8)
         row["draft_s"] = time.perf_counter() - t
     best = 0.0
     for _ in range(repeats):

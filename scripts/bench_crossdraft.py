@@ -27,9 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 import benchlib  # noqa: E402
 from benchlib import ROOT  # noqa: E402
-import crossdraft  # noqa: E402
 import decode  # noqa: E402
-import generate  # noqa: E402
+import generation  # noqa: E402
 import tokenizer as tokenizers_  # noqa: E402
 from bench_speculative import load_prompts  # noqa: E402
 
@@ -95,16 +94,17 @@ def main(argv=None):
         args.pair / "draft_othertok/model.pth"
     if not draft_pth.is_file():
         sys.exit(f"error: {draft_pth} not found: train it with python scripts/train_tiny.py --out_dir {args.pair}")
-    target, draft = generate.load_model(target_pth), generate.load_model(draft_pth)
+    target, draft = generation.load_model(target_pth), generation.load_model(draft_pth)
     target_tok, draft_tok = tokenizers_.get_tokenizer(target_pth.parent), tokenizers_.get_tokenizer(draft_pth.parent)
     text = "    def parse_args(self, args=None, namespace=None):\n"
     print(f"the same text: target {len(target_tok.encode(text))} tokens, draft {len(draft_tok.encode(text))}; "
           f"vocabularies {target_tok.vocab_size} and {draft_tok.vocab_size}", flush=True)
     _, prompts, _ = load_prompts(args.pair, target_tok, args.prompts, args.prompt_tokens, 8)
-    engine = decode.compile_engine(target, "cpu", False) if compile_ else decode.Engine(target)
-    drafter = crossdraft.make_drafter(draft, draft_tok, target_tok, target.args.vocab_size, args.k, None, 0, 1, False)
-    if compile_:
-        drafter.compile("cpu")
+    mode = "auto" if compile_ else "none"  # the target's and the draft's
+    engine = decode.compile_engine(target, "cpu", mode)
+    draft_engine = decode.compile_engine(draft, "cpu", mode)
+    speculator = generation.make_cross_speculator(generation.Speculation(args.k), draft_engine, draft_tok, target_tok,
+                                                  target.args.vocab_size, batch_size=1)
     hf = None
     if not args.no_transformers:
         hf = (benchlib.hf_model(target_pth.parent), benchlib.hf_model(draft_pth.parent),
@@ -112,7 +112,7 @@ def main(argv=None):
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         sampling = decode.Sampling(temperature, top_k=None)
-        results = benchlib.time_interleaved(engine, {"plain": None, f"cross-tokenizer chain K={args.k}": drafter},
+        results = benchlib.time_interleaved(engine, {"plain": None, f"cross-tokenizer chain K={args.k}": speculator},
                                             prompts, args.new_tokens, sampling, args.repeats)
         base_tps, base_runs = results["plain"]
         for name, (tps, runs) in results.items():

@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import benchlib  # noqa: E402
 from benchlib import ROOT  # noqa: E402
 import decode  # noqa: E402
-import generate  # noqa: E402
-import draftmodel  # noqa: E402
+import generation  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 QUESTIONS = ["What is the capital of France? Answer in two sentences.",
@@ -33,20 +32,19 @@ QUESTIONS = ["What is the capital of France? Answer in two sentences.",
              "Explain what a KV cache is in a transformer, briefly."]
 
 
-def ours(model, drafter_model=None, k=5, nodes=None, ngram=0, compiled=True, autotune=False):
-    """A run function for one of our configurations: compiled (regional, or autotuned whole graphs) or eager
-    target and drafter."""
-    engine = decode.compile_engine(model, "cpu", compile_prefill=True, autotune=autotune) if compiled \
-        else decode.Engine(model)
-    drafter = draftmodel.make_drafter(drafter_model, k, nodes, ngram, model.args.block_size) \
-        if drafter_model is not None or ngram else None
-    if drafter is not None and compiled:
-        drafter.compile("cpu", autotune=autotune)
+def ours(model, draft_model=None, k=5, nodes=None, ngram=0, compiled=True, autotune=False):
+    """A run function for one of our configurations: target and draft compiled in one mode (generate.py's
+    --compile: auto, regional for a deep model; or --compile autotune: autotuned whole graphs; the target's prefill
+    too) or eager."""
+    mode = ("autotune" if autotune else "auto") if compiled else "none"
+    engine = decode.compile_engine(model, "cpu", mode, compile_prefill=compiled)
+    draft = decode.compile_engine(draft_model, "cpu", mode) if draft_model is not None else None
+    speculator = generation.make_speculator(generation.Speculation(k, nodes, ngram), draft, model.args.block_size)
     stats = {"model_bytes": model.model_bytes()}  # weight bytes a decode step reads
 
     def run(ids, new_tokens):
-        tokens, s = generate.generate(engine, torch.tensor(ids), new_tokens, decode.Sampling(), [], stop_at_eos=False,
-                                      drafter=drafter)
+        tokens, s = generation.generate(engine, torch.tensor(ids), new_tokens, decode.Sampling(), [],
+                                        stop_at_eos=False, speculator=speculator)
         stats.update(s)
         return tokens[0]
     return run, stats
@@ -119,7 +117,7 @@ def main(argv=None):
         sys.exit(f"error: {model_pth} not found: run bash scripts/demo.sh (or convert a checkpoint) first")
     tokenizer = get_tokenizer(args.checkpoint_dir)
     prompts = [tokenizer.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
-    load = generate.load_model
+    load = generation.load_model
     compiled = not args.no_compile
     int4_pth = benchlib.quantized_checkpoint(model_pth, "int4", 32)
     int8_pth = benchlib.quantized_checkpoint(model_pth, "int8")
@@ -134,7 +132,7 @@ def main(argv=None):
                                                             compiled=compiled),
         "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled),
         "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4, compiled=compiled),
-        # --compile_autotune: whole graphs, every matmul shape timed against inductor's C++ GEMM templates
+        # --compile autotune: whole graphs, every matmul shape timed against inductor's C++ GEMM templates
         "ours fp32 autotune": lambda: ours(load(model_pth), compiled=compiled, autotune=True),
         "ours int8 autotune": lambda: ours(load(int8_pth), compiled=compiled, autotune=True),
         "ours int4 g32 autotune": lambda: ours(load(int4_pth), compiled=compiled, autotune=True),

@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import benchlib  # noqa: E402
 from benchlib import ROOT
 import decode  # noqa: E402
-import generate  # noqa: E402
-import draftmodel
+import generation  # noqa: E402
 from tokenizer import get_tokenizer
 
 
@@ -81,11 +80,9 @@ def merge_stats(runs) -> dict:
             "speculate_k": stats[0]["speculate_k"], "tree_nodes": stats[0]["tree_nodes"]}
 
 
-def drafter_for(draft_model, k, nodes=None, ngram=0, compile_=True, autotune=False):
-    drafter = draftmodel.make_drafter(draft_model, k, nodes, ngram, max_seq_length=4096)
-    if compile_ and drafter is not None:
-        drafter.compile("cpu", autotune=autotune)
-    return drafter
+def speculator_for(draft_engine, k, nodes=None, ngram=0):
+    """The speculator drafting with draft_engine (None: n-gram lookups alone, or plain decoding)."""
+    return generation.make_speculator(generation.Speculation(k, nodes, ngram), draft_engine, max_seq_length=4096)
 
 
 def main(argv=None):
@@ -106,7 +103,7 @@ def main(argv=None):
     p.add_argument("--precision", choices=list(decode.PRECISIONS), default="fp32", help="of target and draft")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--autotune", action="store_true",
-                   help="compile as generate.py --compile_autotune does (whole graphs, autotuned GEMM kernels)")
+                   help="compile as generate.py --compile autotune does (whole graphs, autotuned GEMM kernels)")
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--only", default="", help="comma-separated names of our configurations to run (default: all)")
     p.add_argument("--no_copy", action="store_true", help="skip the copy task")
@@ -122,17 +119,18 @@ def main(argv=None):
             sys.exit(f"error: {path} not found: train the pair with python scripts/train_tiny.py --out_dir {args.pair}")
 
     precision = decode.PRECISIONS[args.precision]
-    target = generate.load_model(target_pth, precision=precision)
-    draft = generate.load_model(draft_pth, precision=precision)
+    target = generation.load_model(target_pth, precision=precision)
+    draft = generation.load_model(draft_pth, precision=precision)
     tokenizer = get_tokenizer(args.pair / "target")
     files, code_prompts, copy_prompts = load_prompts(args.pair, tokenizer, args.prompts, args.prompt_tokens,
                                                      args.copy_tokens)
     print(f"prompts from {', '.join(f.name for f in files)}", flush=True)
-    engine = decode.compile_engine(target, "cpu", False, autotune=args.autotune) if compile_ else decode.Engine(target)
-    draft_engine = decode.compile_engine(draft, "cpu", False, autotune=args.autotune) if compile_ \
-        else decode.Engine(draft)
+    mode = ("autotune" if args.autotune else "auto") if compile_ else "none"  # of the target and every draft
+    engine = decode.compile_engine(target, "cpu", mode)
+    draft_engine = decode.compile_engine(draft, "cpu", mode)
 
-    int8_draft = generate.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"), precision=precision)
+    int8_draft = generation.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"), precision=precision)
+    draft_engines = {draft: draft_engine, None: None}  # draft model -> its engine, compiled once, on first use
 
     rows = []
     greedy = decode.Sampling(0.0)
@@ -151,10 +149,12 @@ def main(argv=None):
         sampling = decode.Sampling(temperature)
         if args.only:
             configs = {name: c for name, c in configs.items() if name in args.only.split(",")}
-        drafters = {"plain": None}
-        drafters.update({name: drafter_for(model, k, nodes, ngram, compile_, args.autotune)
-                         for name, (model, k, nodes, ngram) in configs.items()})
-        results = benchlib.time_interleaved(engine, drafters, prompts, args.new_tokens, sampling, args.repeats)
+        speculators = {"plain": None}
+        for name, (model, k, nodes, ngram) in configs.items():
+            if model not in draft_engines:
+                draft_engines[model] = decode.compile_engine(model, "cpu", mode)
+            speculators[name] = speculator_for(draft_engines[model], k, nodes, ngram)
+        results = benchlib.time_interleaved(engine, speculators, prompts, args.new_tokens, sampling, args.repeats)
         base_tps, base_runs = results["plain"]
         rows.append({"task": task, "temperature": temperature, "impl": "ours", "config": "plain",
                      "tokens_per_sec": base_tps, "speedup": 1.0})

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the machine's measured bandwidth, timing our generate() and
+"""What the benchmark scripts share: the machine's measured bandwidth, timing our generation.generate() and
 transformers' generate() on the same weights, and writing the table and the JSON."""
 import json
 import os
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-import generate  # noqa: E402
-from model import write_atomically  # noqa: E402
+import generation  # noqa: E402
+from errors import write_atomically  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +72,8 @@ def measure_bandwidth(device: str = "cpu", gib: float = 1.0) -> dict:
     return {"read_gbs": read_gbs, "fp32_matvec_gbs": matvec_gbs}
 
 
-def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, drafter=None, repeats: int = 3, device="cpu"):
+def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, speculator=None, repeats: int = 3,
+              device="cpu"):
     """Best-of-`repeats` wall time of generate() (prefill included) after one warm-up run (which compiles).
     Returns (tokens/s, tokens of the last run, stats of the last run)."""
     prompt = torch.tensor(prompt_ids, device=device)
@@ -80,8 +81,8 @@ def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, drafter=None,
 
     def run():
         torch.manual_seed(0)
-        out["tokens"], out["stats"] = generate.generate(engine, prompt, new_tokens, sampling, eos_ids=[],
-                                                        stop_at_eos=False, drafter=drafter)
+        out["tokens"], out["stats"] = generation.generate(engine, prompt, new_tokens, sampling, eos_ids=[],
+                                                          stop_at_eos=False, speculator=speculator)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
@@ -89,27 +90,27 @@ def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, drafter=None,
     return len(out["tokens"][0]) / seconds, out["tokens"][0], out["stats"]
 
 
-def time_interleaved(engine, drafters: dict, prompts: list, new_tokens: int, sampling, repeats: int = 3,
+def time_interleaved(engine, speculators: dict, prompts: list, new_tokens: int, sampling, repeats: int = 3,
                      device="cpu") -> dict:
-    """time_ours() for several configurations (name -> drafter, None for plain decoding), taking turns
+    """time_ours() for several configurations (name -> speculator, None for plain decoding), taking turns
     run by run so that a machine slowing down for a while hurts them alike.
     Returns name -> (tokens/s over all prompts, [(tokens, stats) of the last run, per prompt])."""
-    seconds = {name: [float("inf")] * len(prompts) for name in drafters}
-    last = {name: [None] * len(prompts) for name in drafters}
+    seconds = {name: [float("inf")] * len(prompts) for name in speculators}
+    last = {name: [None] * len(prompts) for name in speculators}
     for i, ids in enumerate(prompts):
         prompt = torch.tensor(ids, device=device)
         for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
-            for name, drafter in drafters.items():
+            for name, speculator in speculators.items():
                 torch.manual_seed(0)
                 start = time.perf_counter()
-                tokens, stats = generate.generate(engine, prompt, new_tokens, sampling, eos_ids=[], stop_at_eos=False,
-                                                  drafter=drafter)
+                tokens, stats = generation.generate(engine, prompt, new_tokens, sampling, eos_ids=[],
+                                                    stop_at_eos=False, speculator=speculator)
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 if turn:
                     seconds[name][i] = min(seconds[name][i], time.perf_counter() - start)
                 last[name][i] = ([int(t) for t in tokens[0]], stats)
-    return {name: (sum(len(t) for t, _ in last[name]) / sum(seconds[name]), last[name]) for name in drafters}
+    return {name: (sum(len(t) for t, _ in last[name]) / sum(seconds[name]), last[name]) for name in speculators}
 
 
 def quantized_checkpoint(model_pth: Path, mode: str, groupsize: int = 32) -> Path:

@@ -20,7 +20,8 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from model import ModelArgs, UserError, run_cli, write_atomically
+from errors import UserError, run_cli, write_atomically
+from model import ModelArgs
 
 import gguf
 import numpy as np

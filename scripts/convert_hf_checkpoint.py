@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from model import ModelArgs, Transformer, UserError, run_cli, write_atomically  # noqa: E402
+from errors import UserError, run_cli, write_atomically  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -158,7 +159,7 @@ def load_hf_weights(files: list) -> dict:
 
 
 def check_fits(state_dict: dict, args: ModelArgs, checkpoint_dir: Path):
-    """The converted weights load into config.json's model exactly (names and shapes), as generate.load_model
+    """The converted weights load into config.json's model exactly (names and shapes), as generation.load_model
     will require: nothing is written for a checkpoint that could not load."""
     with torch.device("meta"):
         model = Transformer(args)

@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from model import UserError, run_cli, write_atomically  # noqa: E402
+from errors import UserError, run_cli, write_atomically  # noqa: E402
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json",

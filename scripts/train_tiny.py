@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from model import ModelArgs, Transformer, UserError, run_cli, write_atomically  # noqa: E402
+from errors import UserError, run_cli, write_atomically  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 
 BOS_ID, EOS_ID = 1, 2
 HELDOUT_EVERY = 20  # file i is held out when i % 20 == 10

@@ -33,3 +33,10 @@ def trained_pair(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trained")
     train_tiny.main(["--preset", "test", "--out_dir", str(out), "--seed", "0"])
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs the trained pair trains it first (scripts/train_tiny.py): slow."""
+    for item in items:
+        if "trained_pair" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

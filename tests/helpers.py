@@ -2,6 +2,7 @@
 machinery of the lossless-sampling tests."""
 import functools
 import importlib
+import importlib.util
 import json
 import shutil
 import sysconfig
@@ -11,7 +12,6 @@ from types import SimpleNamespace
 import torch
 
 import draftmodel
-import generate
 import speculate
 from decode import Engine, Sampling, logits_to_probs
 from model import ModelArgs, Transformer
@@ -58,11 +58,22 @@ def copy_checkpoint(source, directory, noise=0.0, sharpen=1.0, seed=0, **config)
 
 # ----------------------------------------------------------------------------- generate.py runs
 
+def load_cli():
+    """The command line (generate.py) loaded from its file, so that a test runs `python generate.py ARGS` in this
+    process as cli.main(ARGS). Library code never imports it; tests of the library use generation.py."""
+    spec = importlib.util.spec_from_file_location("generate_cli", ROOT / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cli = load_cli()
+
 PROMPTS = ("def main(", "Hello, my name is")
 
 
 def run(target, *extra, prompt=PROMPTS[0], n=29):
-    return generate.main(["--checkpoint_path", str(target), "--prompt", prompt, "--max_new_tokens", str(n),
+    return cli.main(["--checkpoint_path", str(target), "--prompt", prompt, "--max_new_tokens", str(n),
                           "--num_samples", "1", "--temperature", "0", *map(str, extra)])
 
 
@@ -179,7 +190,7 @@ def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed:
     ngram > 0 merges an n-gram lookup's branches into the tree (it looks only at the prompt and the output
     so far: each batch starts a fresh lookup, and a row never sees another's output)."""
     target, draft_model = tiny_tables(*draft)
-    speculator = draftmodel.DraftModelSpeculator(draft_model, 2, tree_nodes, ngram=ngram)
+    speculator = speculate.Speculator(draftmodel.ModelDrafter(Engine(draft_model), 2, tree_nodes, ngram=ngram))
     rows = [list(prompts[b % len(prompts)]) for b in range(batch)]
     width = max(len(p) for p in rows)
     target.setup_caches(batch, width + 3 + speculator.lookahead + 1)
@@ -191,7 +202,7 @@ def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed:
     first = torch.full((batch,), FIRST)
     for _ in range(draws * len(prompts) // batch):
         if ngram:
-            speculator.lookup = speculate.Lookup(ngram)
+            speculator.drafter.lookup = speculate.Lookup(ngram)
         outs, stats = speculator.generate(engine, rows, first, 3, sampling, eos_ids=[], stop_at_eos=False)
         for b, out in enumerate(outs):
             drawn[b % len(prompts)].append(out[1:3])

@@ -29,8 +29,9 @@ from typing import Callable, Optional
 import pytest
 import torch
 
+import errors
 import model
-from helpers import ROOT, copy_checkpoint, write_chatml_tokenizer, write_checkpoint
+from helpers import ROOT, cli, copy_checkpoint, write_chatml_tokenizer, write_checkpoint
 
 TIME_BOUND = 60  # seconds a failing run may take (a few on an idle machine); torchrun rows get TORCHRUN_BOUND
 TORCHRUN_BOUND = 120
@@ -218,13 +219,13 @@ def injected_rank_failure(w):
     """A worker that runs generate.py's CLI on both ranks, rank 1 failing right after loading while rank 0
     goes on into the first collective, where its peer is gone."""
     (w.root / "worker.py").write_text(
-        f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nimport generate, model\n"
+        f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nimport errors, generate, generation\n"
         "if os.environ['RANK'] == '1':\n"
-        "    load = generate.load_model\n"
+        "    load = generation.load_model\n"
         "    def failing(*args, **kwargs):\n"
         "        load(*args, **kwargs)\n"
-        "        raise model.UserError('rank 1 could not load its shard (injected failure)')\n"
-        "    generate.load_model = failing\n"
+        "        raise errors.UserError('rank 1 could not load its shard (injected failure)')\n"
+        "    generation.load_model = failing\n"
         "sys.exit(generate.cli(sys.argv[1:]))\n")
 
 
@@ -309,8 +310,7 @@ CASES = [
     here(gen("device_cuda_without_cuda", "--device", "cuda", expect=["--device"],
              skip="this machine has CUDA" if torch.cuda.is_available() else None)),
     here(gen("precision_unknown", "--precision", "int3", expect=["--precision"], status=2)),
-    gen("compile_prefill_without_compile", "--compile_prefill", expect=["--compile_prefill"]),
-    here(gen("compile_autotune_without_compile", "--compile_autotune", expect=["--compile_autotune", "--compile"])),
+    here(gen("compile_unknown_mode", "--compile", "fastest", expect=["--compile", "fastest"], status=2)),
     gen("speculate_k_1000", "--draft_checkpoint_path", "{draft}/model.pth", "--speculate_k", "1000",
         expect=["--speculate_k", "256"], needs=("ckpt", "draft"), bound=30),
     here(gen("speculate_k_text", "--draft_ngram", "3", "--speculate_k", "many", expect=["--speculate_k"])),
@@ -569,13 +569,13 @@ def test_bad_input_in_process(case, bases, tmp_path_factory, monkeypatch, capsys
     for name, value in case.env.items():
         monkeypatch.setenv(name, fill(value, w, port))
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # --interactive: the end of the input at once
-    main = importlib.import_module(MAINS[case.argv[0]]).main
+    main = cli.main if case.argv[0] == "generate.py" else importlib.import_module(MAINS[case.argv[0]]).main
     argv = [fill(a, w, port) for a in case.argv[1:]]
     expect = [fill(e, w, port) for e in case.expect]
     before = snapshot(w.root)
     t0 = time.monotonic()
     if case.status == 1:
-        with pytest.raises(model.UserError) as caught:
+        with pytest.raises(errors.UserError) as caught:
             main(argv)
         message = str(caught.value)
         assert "\n" not in message and all(e in message for e in expect), message
@@ -601,7 +601,7 @@ def test_interrupted_write_leaves_no_temp_file(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        model.write_atomically(target, write)
+        errors.write_atomically(target, write)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pth"]
     assert target.read_bytes() == b"before"
 
@@ -613,5 +613,5 @@ def test_stale_temp_file_of_a_dead_process_is_removed_by_the_next_write(tmp_path
     stale.write_bytes(b"left by a killed run")
     alive = tmp_path / f".stats.json.partial-{os.getpid()}-def456"  # a write in progress: kept
     alive.write_bytes(b"being written")
-    model.write_atomically(tmp_path / "stats.json", lambda tmp: tmp.write_text("{}"))
+    errors.write_atomically(tmp_path / "stats.json", lambda tmp: tmp.write_text("{}"))
     assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, "stats.json"]

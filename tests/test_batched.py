@@ -1,4 +1,4 @@
-"""Speculative decoding for a batch of different prompts (speculate.TreeSpeculator.generate at B > 1): every row
+"""Speculative decoding for a batch of different prompts (speculate.Speculator.generate at B > 1): every row
 keeps its own cache length, acceptance and stop, and equals its prompt decoded alone."""
 import json
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import decode
-import draftmodel
-import generate
+import generation
 import speculate
 from helpers import DRAWS, PREFIX, PREFIX2, REJECT_BELOW, copy_checkpoint, lossless_pvalues
+from helpers import cli
 
 # different lengths; the second repeats itself, so an n-gram lookup finds continuations
 BATCH = ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4, 7, 3, 3, 8, 20], [1, 30, 31, 32, 33, 34], [1, 250])
@@ -30,9 +30,9 @@ def near_draft(random_target, tmp_path_factory):
 
 def alone(engine, prompts, n, eos=()):
     """Each prompt's own plain greedy continuation, decoded by itself."""
-    rows = [generate.generate(engine, torch.tensor(p), n, decode.Sampling(), [], stop_at_eos=False)[0][0]
+    rows = [generation.generate(engine, torch.tensor(p), n, decode.Sampling(), [], stop_at_eos=False)[0][0]
             for p in prompts]
-    return [generate.truncate_at_eos(row, set(eos)) for row in rows]
+    return [generation.truncate_at_eos(row, set(eos)) for row in rows]
 
 
 def check_rows(engine, eager, drafter):
@@ -42,17 +42,17 @@ def check_rows(engine, eager, drafter):
     from torch._dynamo.utils import counters
     want = alone(eager, BATCH, 20)
     eos = want[2][4]  # row 2 meets this token early (others may too: then they stop there as well)
-    want = [generate.truncate_at_eos(row, {eos}) for row in want]
-    got, stats = generate.generate(engine, [list(p) for p in BATCH], 20, decode.Sampling(), [eos], drafter=drafter)
+    want = [generation.truncate_at_eos(row, {eos}) for row in want]
+    got, stats = generation.generate(engine, [list(p) for p in BATCH], 20, decode.Sampling(), [eos], speculator=drafter)
     assert got == want and len(got[2]) <= 5
     assert sum(i * c for i, c in enumerate(stats["accept_counts"])) > 0  # drafts were accepted
     for _ in range(2):  # the second batch meets shapes the first may not have (a row with a token pending, or none)
-        got, _ = generate.generate(engine, [list(p) for p in SHIFTED], 20, decode.Sampling(), [], stop_at_eos=False,
-                                   drafter=drafter)
+        got, _ = generation.generate(engine, [list(p) for p in SHIFTED], 20, decode.Sampling(), [], stop_at_eos=False,
+                                   speculator=drafter)
         assert got == alone(eager, SHIFTED, 20)
     graphs = counters["stats"]["unique_graphs"]
-    got, _ = generate.generate(engine, [list(p) for p in reversed(BATCH)], 20, decode.Sampling(), [],
-                               stop_at_eos=False, drafter=drafter)
+    got, _ = generation.generate(engine, [list(p) for p in reversed(BATCH)], 20, decode.Sampling(), [],
+                               stop_at_eos=False, speculator=drafter)
     assert got == alone(eager, list(reversed(BATCH)), 20)
     return graphs, counters["stats"]["unique_graphs"]
 
@@ -60,23 +60,25 @@ def check_rows(engine, eager, drafter):
 @pytest.mark.parametrize("kind", KINDS)
 def test_rows_equal_each_prompt_alone(random_target, near_draft, kind):
     draft_name, k, nodes, ngram = KINDS[kind]
-    model = generate.load_model(random_target)
-    draft = generate.load_model(near_draft) if draft_name else None
+    model = generation.load_model(random_target)
+    draft = generation.load_model(near_draft) if draft_name else None
     eager = decode.Engine(model)
-    check_rows(eager, eager, draftmodel.make_drafter(draft, k, nodes, ngram, model.args.block_size))
+    draft_engine = decode.Engine(draft) if draft_name else None
+    check_rows(eager, eager, generation.make_speculator(generation.Speculation(k, nodes, ngram), draft_engine,
+                                                        model.args.block_size))
 
 
 def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target, near_draft):
     """check_rows() for every kind on compiled graphs (one compiled target; the kinds verify 4 or 9 tokens per
     row): after warm-up, batches of other prompt lengths compile nothing new."""
-    model, draft = generate.load_model(random_target), generate.load_model(near_draft)
+    model, draft = generation.load_model(random_target), generation.load_model(near_draft)
     eager = decode.Engine(model)
     torch._dynamo.reset()
     engine = decode.compile_engine(model, "cpu", compile_prefill=True)
     model.setup_caches(len(BATCH), model.args.block_size)  # once for every kind, as generate.main does for a run
     for kind, (draft_name, k, nodes, ngram) in KINDS.items():
-        drafter = draftmodel.make_drafter(draft if draft_name else None, k, nodes, ngram, model.args.block_size)
-        drafter.compile("cpu")
+        draft_engine = decode.compile_engine(draft, "cpu") if draft_name else None
+        drafter = generation.make_speculator(generation.Speculation(k, nodes, ngram), draft_engine, model.args.block_size)
         before, after = check_rows(engine, eager, drafter)
         assert after == before, f"{kind}: {after - before} graphs compiled after warm-up"
 
@@ -84,22 +86,22 @@ def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target
 def test_speculate_k_auto_falls_back_to_plain_when_speculation_is_slower(random_target, near_draft, monkeypatch):
     """--speculate_k auto times a plain step against its first speculative steps and decodes plainly when
     speculation measured slower; either way each row equals its prompt alone."""
-    model, draft = generate.load_model(random_target), generate.load_model(near_draft)
+    model, draft = generation.load_model(random_target), generation.load_model(near_draft)
     engine = decode.Engine(model)
     want = alone(engine, BATCH, 30)
     for plain_step, switched in ((1e-9, True), (1e9, False)):  # plain decoding made to look faster, then slower
-        monkeypatch.setattr(speculate.TreeSpeculator, "plain_step_seconds", staticmethod(lambda *a: plain_step))
-        drafter = draftmodel.make_drafter(draft, "auto", None, 0, model.args.block_size)
-        got, stats = generate.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
-                                       stop_at_eos=False, drafter=drafter)
+        monkeypatch.setattr(speculate, "plain_step_seconds", lambda *a: plain_step)
+        drafter = generation.make_speculator(generation.Speculation("auto"), decode.Engine(draft), model.args.block_size)
+        got, stats = generation.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
+                                       stop_at_eos=False, speculator=drafter)
         assert got == want
         assert ("plain_after_forwards" in stats) == switched
         if switched:  # the prefill and the timed speculative steps, then plain forwards for the rest
             assert stats["plain_after_forwards"] == 1 + speculate.AUTO_PROBE_STEPS + 1
             assert stats["target_forwards"] > stats["plain_after_forwards"] + 5
         # the next generation at this batch size goes straight to the choice made
-        got, stats = generate.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
-                                       stop_at_eos=False, drafter=drafter)
+        got, stats = generation.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
+                                       stop_at_eos=False, speculator=drafter)
         assert got == want
         assert stats.get("plain_after_forwards") == (1 if switched else None)
 
@@ -109,13 +111,13 @@ def test_prompts_file_with_a_draft(random_target, near_draft, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def main(\nHello, my name is\nx = [1, 2\n")
     out = tmp_path / "stats.json"
-    generate.main(["--checkpoint_path", str(random_target), "--prompts_file", str(prompts), "--batch_size", "3",
+    cli.main(["--checkpoint_path", str(random_target), "--prompts_file", str(prompts), "--batch_size", "3",
                    "--draft_checkpoint_path", str(near_draft), "--speculate_k", "3", "--max_new_tokens", "12",
                    "--temperature", "0", "--ignore_eos", "--num_samples", "1", "--stats_json", str(out)])
     stats = json.loads(out.read_text())
     assert stats["speculative"] == "draft" and stats["target_forwards"] < 3 * 12
     for row in stats["rows"]:
-        single = generate.main(["--checkpoint_path", str(random_target), "--prompt", row["prompt"], "--max_new_tokens",
+        single = cli.main(["--checkpoint_path", str(random_target), "--prompt", row["prompt"], "--max_new_tokens",
                                 "12", "--temperature", "0", "--ignore_eos", "--num_samples", "1"])
         assert row["tokens"] == single["samples"][0]["tokens"]
 

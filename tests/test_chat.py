@@ -5,7 +5,7 @@ import json
 import pytest
 
 import tokenizer
-from model import UserError
+from errors import UserError
 from helpers import (LLAMA2_CONFIG, auto_tokenizer, write_chatml_tokenizer, write_llama3_tokenizer,
                             write_sentencepiece_model)
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import model as model_module
-from model import ModelArgs, Transformer, UserError
+from errors import UserError
+from model import ModelArgs, Transformer
 import convert_hf_checkpoint as convert
+from helpers import cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,17 +161,16 @@ def write_word_tokenizer(directory, vocab_size):
 
 def test_generate_main_greedy_matches_transformers(tmp_path):
     """The user path: convert, then generate.py --temperature 0, token for token against transformers."""
-    generate = pytest.importorskip("generate")
     overrides, how = CASES["llama3-tied"]
     hf = make_hf_model(hf_config(**overrides), seed=3)
     directory = save_hf(hf, tmp_path / "ckpt", how)
     convert.main(["--checkpoint_dir", str(directory)])
     write_word_tokenizer(directory, hf.config.vocab_size)
     n_new = 10
-    stats = generate.main(["--checkpoint_path", str(directory / "model.pth"), "--prompt", "40",
-                           "--max_new_tokens", str(n_new), "--temperature", "0", "--num_samples", "1",
-                           "--ignore_eos", "--device", "cpu", "--precision", "fp32",
-                           "--stats_json", str(tmp_path / "stats.json")])
+    stats = cli.main(["--checkpoint_path", str(directory / "model.pth"), "--prompt", "40",
+                      "--max_new_tokens", str(n_new), "--temperature", "0", "--num_samples", "1",
+                      "--ignore_eos", "--device", "cpu", "--precision", "fp32",
+                      "--stats_json", str(tmp_path / "stats.json")])
     ids = torch.tensor([stats["prompt_tokens"]])
     assert ids.shape[1] == 40  # this tokenizer.json adds no BOS, so neither does generate.py
     with torch.no_grad():

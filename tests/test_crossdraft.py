@@ -19,11 +19,14 @@ import pytest
 import torch
 
 import crossdraft
-import generate
+import decode
+import generation
 import tokenizer
 from decode import Engine, Sampling, logits_to_probs
 from model import ModelArgs, Transformer
 from helpers import chi_square_pvalue, plain_greedy, run, speculative, tokens
+from errors import UserError
+from helpers import cli
 
 PROMPTS = ["def main(", "  two leading spaces and\ttabs", "café déjà 日本語 🙂 x", "total = 12345 + 678 * 90"]
 
@@ -171,15 +174,21 @@ def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
 
 
 
-def primed_drafters(random_target, noisy_draft, whole_graph: bool):
+def cross_drafter(random_target, noisy_draft, k: int, mode: str = "none"):
+    """The cross-tokenizer speculator of the noisy draft (its engine compiled in `mode`) for the random target."""
+    target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
+    vocab = generation.load_model(random_target).args.vocab_size
+    engine = decode.compile_engine(generation.load_model(noisy_draft), "cpu", mode)
+    return generation.make_cross_speculator(generation.Speculation(k), engine, draft_tok, target_tok, vocab, 1)
+
+
+def primed_drafters(random_target, noisy_draft, mode: str):
     """Two cross-tokenizer drafters (K = 3) of the same draft, the first compiled, each having read "def main(x):" in
     its own tokens but the last; returns them, that last token [1, 1], its position [1, 1] and the target's vocabulary
     size."""
     target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
-    vocab = generate.load_model(random_target).args.vocab_size
-    drafters = [crossdraft.make_drafter(generate.load_model(noisy_draft), draft_tok, target_tok, vocab, 3, None, 0,
-                                        1, False) for _ in range(2)]
-    drafters[0].compile("cpu", whole_graph=whole_graph)
+    vocab = generation.load_model(random_target).args.vocab_size
+    drafters = [cross_drafter(random_target, noisy_draft, 3, m) for m in (mode, "none")]
     ids = torch.tensor([draft_tok.encode_prompt("def main(x):")])  # [1, T]
     for d in drafters:
         d.draft_model.setup_caches(1, 64)
@@ -187,15 +196,15 @@ def primed_drafters(random_target, noisy_draft, whole_graph: bool):
     return drafters, ids[:, -1:], torch.tensor([[ids.shape[1] - 1]]), vocab
 
 
-@pytest.mark.parametrize("whole_graph", [False, True], ids=["regional", "whole-graph"])
-def test_compiled_tli_step_gives_the_eager_proposal(random_target, noisy_draft, whole_graph):
+@pytest.mark.parametrize("mode", ["regional", "whole"])
+def test_compiled_tli_step_gives_the_eager_proposal(random_target, noisy_draft, mode):
     """The sampled draft step compiled (the whole step as one graph, or the regional forward then the rest) hands
     the verifier the same q_T as the eager step, draws only tokens of the intersection, and q_T is a distribution
     over the target's vocabulary."""
-    drafters, x, pos, vocab = primed_drafters(random_target, noisy_draft, whole_graph)
+    drafters, x, pos, vocab = primed_drafters(random_target, noisy_draft, mode)
     sampling = Sampling(0.8, top_k=50)
     with torch.no_grad():
-        got = [d.tli_step(d.tli_forward, x, pos, sampling, d.in_both, d.shared_draft, d.shared_target, vocab)
+        got = [d.tli_step(x, pos, sampling, d.in_both, d.shared_draft, d.shared_target, vocab)
                for d in drafters for _ in range(20)]
     (_, want), drawn = got[-1], {int(token[0]) for token, _ in got}
     for _, q_target in got[:20]:
@@ -209,10 +218,8 @@ def test_chain_in_one_call_drafts_what_k_steps_draft(random_target, noisy_draft,
     """cross_chain (the K draft steps in one call) drafts the chain that K single steps draft, hands the verifier the
     same proposals (same seed: the same draws in the same order) and leaves the same tokens in the draft's cache."""
     target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
-    vocab = generate.load_model(random_target).args.vocab_size
-    drafters = [crossdraft.make_drafter(generate.load_model(noisy_draft), draft_tok, target_tok, vocab, 4, None, 0,
-                                        1, False) for _ in range(2)]
-    drafters[1].chain = None  # step by step
+    drafters = [cross_drafter(random_target, noisy_draft, 4) for _ in range(2)]
+    drafters[1].run_chain = None  # step by step
     prompt = target_tok.encode_prompt("def main(x):")
     trees = []
     with torch.no_grad():
@@ -237,14 +244,14 @@ def test_chain_in_one_call_drafts_what_k_steps_draft(random_target, noisy_draft,
 def test_compiled_chain_proposals_are_those_of_its_draws(random_target, noisy_draft):
     """The K sampled draft steps compiled as one graph: each q_T handed to the verifier is the eager step's q_T in the
     context of the graph's own earlier draws, and every draw is a token of the intersection."""
-    (compiled, eager), x, pos, vocab = primed_drafters(random_target, noisy_draft, whole_graph=True)
+    (compiled, eager), x, pos, vocab = primed_drafters(random_target, noisy_draft, "whole")
     sampling = Sampling(0.8, top_k=50)
     shared = (compiled.in_both, compiled.shared_draft, compiled.shared_target, vocab)
     with torch.no_grad():
-        drawn, proposals = compiled.chain(compiled.tli_forward, x, pos, sampling, 3, *shared)  # [1, 3], [1, 3, V]
+        drawn, proposals = compiled.run_chain(x, pos, sampling, 3, *shared)  # [1, 3], [1, 3, V]
         assert set(drawn[0].tolist()) <= set(compiled.to_target)
         for i in range(3):
-            _, want = crossdraft.tli_step(eager.tli_forward, x, pos + i, sampling, *shared)
+            _, want = crossdraft.tli_step(eager.draft_model, x, pos + i, sampling, *shared)
             torch.testing.assert_close(proposals[:, i], want, atol=1e-5, rtol=1e-4)
             x = drawn[:, i: i + 1]
 
@@ -253,10 +260,7 @@ def test_compiled_catch_up_writes_what_an_eager_forward_writes(random_target, no
     """A few accepted tokens the draft has not read go through its compiled one-token graph (CATCH_UP_STEPS), more
     through one eager forward: the draft's cache and its next chain come out the same either way."""
     target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
-    vocab = generate.load_model(random_target).args.vocab_size
-    drafters = [crossdraft.make_drafter(generate.load_model(noisy_draft), draft_tok, target_tok, vocab, 3, None, 0,
-                                        1, False) for _ in range(2)]
-    drafters[0].compile("cpu")
+    drafters = [cross_drafter(random_target, noisy_draft, 3, m) for m in ("auto", "none")]
     prompt = target_tok.encode_prompt("def main(x):")
     new = draft_tok.encode_continuation(" return x + 1")[: crossdraft.CATCH_UP_STEPS + 1]
     assert len(new) == crossdraft.CATCH_UP_STEPS + 1  # the tokens to catch up on, then the next root
@@ -341,8 +345,8 @@ def test_clear_errors(random_target, byte_level_draft, tmp_path):
     spec = ["--checkpoint_path", random_target, "--draft_checkpoint_path", byte_level_draft]
 
     def error_of(*argv):
-        with pytest.raises(generate.UserError) as info:
-            generate.main([*map(str, spec), *map(str, argv)])
+        with pytest.raises(UserError) as info:
+            cli.main([*map(str, spec), *map(str, argv)])
         return str(info.value)
 
     prompts = tmp_path / "prompts.txt"
@@ -470,7 +474,7 @@ def speculative_draws(root: Path, sampling: Sampling, n: int, seed: int = 0):
     target_tok, draft_tok, target, draft = tiny_pair(root)
     prompt = target_tok.encode_prompt(PROMPT_TEXT)
     (first,) = target_tok.encode_continuation(FIRST)
-    speculator = crossdraft.CrossTokenizerSpeculator(draft, draft_tok, target_tok, len(TARGET_PIECES), 2)
+    speculator = crossdraft.CrossTokenizerSpeculator(Engine(draft), draft_tok, target_tok, len(TARGET_PIECES), 2)
     target.setup_caches(1, len(prompt) + 3 + speculator.lookahead + 1)
     target(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1))  # the prefill
     engine = Engine(target)

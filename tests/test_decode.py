@@ -6,27 +6,27 @@ import pytest
 import torch
 
 import decode
-import generate
+import generation
+from errors import UserError
 from helpers import copy_checkpoint
 from model import Linear, ModelArgs, Transformer
 
-MODES = pytest.mark.parametrize("whole_graph", [False, True], ids=["regional", "whole-graph"])
+MODES = pytest.mark.parametrize("mode", ["regional", "whole"])
 
 
 def greedy(engine, prompt, n=12):
-    return generate.generate(engine, prompt, n, decode.Sampling(), [], stop_at_eos=False)[0][0]
+    return generation.generate(engine, prompt, n, decode.Sampling(), [], stop_at_eos=False)[0][0]
 
 
 @MODES
-def test_models_of_one_shape_never_share_weights_through_compiled_graphs(random_target, tmp_path, whole_graph):
+def test_models_of_one_shape_never_share_weights_through_compiled_graphs(random_target, tmp_path, mode):
     other = copy_checkpoint(random_target, tmp_path / "other", noise=1.0, seed=5)  # same shape, other weights
-    first, second = generate.load_model(random_target), generate.load_model(other)
+    first, second = generation.load_model(random_target), generation.load_model(other)
     prompt = torch.tensor([1, 17, 33, 250, 7, 90])
     eager = [greedy(decode.Engine(model), prompt) for model in (first, second)]
     assert eager[0] != eager[1]
     torch._dynamo.reset()
-    engines = [decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=whole_graph)
-               for model in (first, second)]
+    engines = [decode.compile_engine(model, "cpu", mode) for model in (first, second)]
     assert [greedy(engine, prompt) for engine in engines] == eager
     assert [greedy(engine, prompt) for engine in reversed(engines)] == eager[::-1]
 
@@ -40,33 +40,37 @@ def test_regional_compilation_compiles_one_block_for_all_layers():
     counters.clear()
     prompt = torch.tensor([1, 2, 3, 4])
     for model in models:
-        compiled = greedy(decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=False), prompt)
+        compiled = greedy(decode.compile_engine(model, "cpu", "regional"), prompt)
         assert compiled == greedy(decode.Engine(model), prompt)
     assert counters["stats"]["unique_graphs"] == 2
 
 
-def test_default_compile_mode_follows_depth():
-    """On CPU shallow models (tiny targets, drafts) compile whole, deep ones regionally; CUDA always whole."""
+def test_auto_compile_mode_follows_depth():
+    """On CPU shallow models (tiny targets, drafts) compile whole, deep ones regionally; CUDA always whole; the
+    other modes are kept as asked, and an unknown one is refused with one line."""
     limit = decode.WHOLE_GRAPH_MAX_LAYERS
-    assert decode.whole_graph_mode("cpu", None, n_layer=limit) == (True, None)
-    assert decode.whole_graph_mode("cpu", None, n_layer=limit + 1) == (False, None)
-    assert decode.whole_graph_mode("cpu", True, n_layer=limit + 1) == (True, None)
-    assert decode.whole_graph_mode("cpu", False, n_layer=2) == (False, None)
-    assert decode.whole_graph_mode("cpu", None, n_layer=40, autotune=True) == (True, "max-autotune")
-    assert decode.whole_graph_mode("cuda", None, n_layer=40) == (True, "reduce-overhead")
+    assert decode.resolve_mode("auto", "cpu", limit) == "whole"
+    assert decode.resolve_mode("auto", "cpu", limit + 1) == "regional"
+    assert decode.resolve_mode("whole", "cpu", limit + 1) == "whole"
+    assert decode.resolve_mode("regional", "cpu", 2) == "regional"
+    assert decode.resolve_mode("autotune", "cpu", 40) == "autotune"
+    assert decode.resolve_mode("auto", "cuda", 40) == "whole"
+    with pytest.raises(UserError, match="fastest"):
+        decode.resolve_mode("fastest", "cpu", 2)
     deep = Transformer(ModelArgs(dim=32, n_layer=limit + 1, n_head=2, vocab_size=64, block_size=32))
     shallow = Transformer(ModelArgs(dim=32, n_layer=2, n_head=2, vocab_size=64, block_size=32))
     # a whole-graph engine's forward is the compiled model; a regional one runs the model with the compiled block
     whole = torch._dynamo.eval_frame.OptimizedModule
-    assert not isinstance(decode.compile_engine(deep, "cpu", False).forward, whole)
-    assert isinstance(decode.compile_engine(shallow, "cpu", False).forward, whole)
+    assert not isinstance(decode.compile_engine(deep, "cpu").forward, whole)
+    assert isinstance(decode.compile_engine(shallow, "cpu").forward, whole)
+    assert decode.compile_engine(deep, "cpu").mode == "regional" and decode.compile_engine(shallow, "cpu").mode == "whole"
 
 
 @MODES
-def test_compiled_verification_forward_equals_eager(random_target, whole_graph):
+def test_compiled_verification_forward_equals_eager(random_target, mode):
     """engine.forward with an explicit tree mask (speculative verification) gives the eager logits."""
-    model = generate.load_model(random_target)
-    engine = decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=whole_graph)
+    model = generation.load_model(random_target)
+    engine = decode.compile_engine(model, "cpu", mode)
     model.setup_caches(1, 32)
     prefix, nodes = torch.tensor([[1, 17, 33, 250]]), torch.tensor([[7, 90, 91, 5]])
     parents = [-1, 0, 0, 1]  # node 0 follows the prefix; nodes 1 and 2 are its children; node 3 follows node 1
@@ -91,45 +95,44 @@ def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target
     timing them (graph_options); a quantized model keeps the default lowering of its int8 / int4 products, a
     compile mode (CUDA graphs, autotune) is passed on as it is; the templates' tokens equal eager decoding's."""
     import quantize
-    model = generate.load_model(random_target)
-    assert decode.graph_options(model, "cpu") == (True, {"options": decode.CPP_GEMM_OPTIONS})
-    assert decode.graph_options(model.to(torch.bfloat16), "cpu") == (True, {"options": decode.CPP_GEMM_OPTIONS})
-    assert decode.graph_options(model, "cpu", False) == (False, {"options": decode.CPP_GEMM_OPTIONS})
-    assert decode.graph_options(model, "cpu", autotune=True) == (True, {"mode": "max-autotune"})
-    assert decode.graph_options(model, "cuda") == (True, {"mode": "reduce-overhead"})
+    model = generation.load_model(random_target)
+    assert decode.graph_options(model, "cpu", "whole") == {"options": decode.CPP_GEMM_OPTIONS}
+    assert decode.graph_options(model.to(torch.bfloat16), "cpu", "whole") == {"options": decode.CPP_GEMM_OPTIONS}
+    assert decode.graph_options(model, "cpu", "autotune") == {"mode": "max-autotune"}
+    assert decode.graph_options(model, "cuda", "whole") == {"mode": "reduce-overhead"}
     quantize.apply_quantization_scheme(model, {"mode": "int8"})
-    assert decode.graph_options(model, "cpu") == (True, {})
+    assert decode.graph_options(model, "cpu", "whole") == {}
     from torch._dynamo.utils import counters
-    model = generate.load_model(random_target)
+    model = generation.load_model(random_target)
     prompt = torch.tensor([1, 17, 33, 250, 7, 90])
     eager = greedy(decode.Engine(model), prompt)
     torch._dynamo.reset()
     counters.clear()
-    engine = decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=True)
-    assert engine.graph_kwargs == {"options": decode.CPP_GEMM_OPTIONS}  # what the drafters compile their graphs with
-    assert decode.compile_engine(model, "cpu", compile_prefill=False, whole_graph=False).graph_kwargs is None
+    engine = decode.compile_engine(model, "cpu", "whole")
+    assert engine.options == {"options": decode.CPP_GEMM_OPTIONS}  # what Engine.compile compiles other functions with
+    assert decode.compile_engine(model, "cpu", "regional").compile(decode.decode_one_token) is None
     assert greedy(engine, prompt) == eager
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the products are the templates' kernels
     assert counters["inductor"]["select_algorithm_autotune"] == 0  # and nothing was timed: one choice each
 
 
 def test_autotuned_engine_equals_eager(random_target):
-    """--compile_autotune: the whole graph with inductor's autotuned GEMM kernels decodes the eager tokens; the
+    """--compile autotune: the whole graph with inductor's autotuned GEMM kernels decodes the eager tokens; the
     choice of kernels is inductor's alone (compiled graphs do not use the oneDNN-packed copies, model.Linear)."""
-    model = generate.load_model(random_target)
+    model = generation.load_model(random_target)
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack()  # as on a machine where oneDNN measured faster
     prompt = torch.tensor([1, 17, 33, 250, 7, 90])
     eager = greedy(decode.Engine(model), prompt)
     torch._dynamo.reset()
-    engine = decode.compile_engine(model, "cpu", compile_prefill=False, autotune=True)
+    engine = decode.compile_engine(model, "cpu", "autotune")
     assert greedy(engine, prompt) == eager
 
 
 def test_generation_runs_without_autograd(random_target, monkeypatch):
     seen = []
-    model = generate.load_model(random_target)
+    model = generation.load_model(random_target)
     real = decode.decode_one_token
 
     def watched(*args):
@@ -144,13 +147,15 @@ def test_compile_engine_skips_inductors_vector_isa_probe(random_target, monkeypa
     """On an AVX2 / AVX-512 CPU the engine tells inductor to use the vector ISA ATen runs instead of proving with a C++
     build per ISA in each process (most of a cold compile); a TORCHINDUCTOR_VEC_ISA_OK of the user's wins."""
     import torch._inductor.config as inductor_config
-    model = generate.load_model(random_target)
+    model = generation.load_model(random_target)
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
     monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
-    decode.compile_engine(model, "cpu", compile_prefill=False)
+    decode.configure_compiler.cache_clear()  # applied once per process: apply it again
+    decode.compile_engine(model, "cpu")
     vector_cpu = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     assert inductor_config.cpp.vec_isa_ok is (True if vector_cpu else None)
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
     monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "1")
-    decode.compile_engine(model, "cpu", compile_prefill=False)
+    decode.configure_compiler.cache_clear()
+    decode.compile_engine(model, "cpu")
     assert inductor_config.cpp.vec_isa_ok is None  # left to inductor, which reads the variable itself

@@ -7,21 +7,23 @@ import pytest
 import torch
 
 import decode
-import generate
+import generation
 from helpers import REJECT_BELOW, ROOT, chi_square_pvalue, write_checkpoint
+from errors import UserError
+from helpers import cli
 
 DESIGN_FIELDS = {"device", "precision", "compile", "speculative", "prompt_tokens", "samples", "tokens_per_sec",
                  "bandwidth_gbs", "model_bytes", "compile_seconds"}
 
 
 def run(checkpoint, *extra, prompt="def main(", n=24):
-    return generate.main(["--checkpoint_path", str(checkpoint), "--prompt", prompt, "--max_new_tokens", str(n),
+    return cli.main(["--checkpoint_path", str(checkpoint), "--prompt", prompt, "--max_new_tokens", str(n),
                           "--num_samples", "1", "--temperature", "0", *extra])
 
 
 def greedy_reference(checkpoint, prompt_ids, n):
     """Greedy decoding by full forwards over the growing sequence: no KV cache involved."""
-    model = generate.load_model(checkpoint)
+    model = generation.load_model(checkpoint)
     ids = list(prompt_ids)
     model.setup_caches(1, len(ids) + n + 1)
     for _ in range(n):
@@ -44,7 +46,7 @@ def test_stats_json_has_design_fields(random_target, tmp_path):
     sample = stats["samples"][0]
     assert len(sample["tokens"]) == 8 and sample["tokens_per_sec"] > 0 and isinstance(sample["text"], str)
     assert stats["prompt_tokens"][0] == 1  # BOS
-    assert stats["model_bytes"] == sum(p.numel() * 4 for p in generate.load_model(random_target).parameters())
+    assert stats["model_bytes"] == sum(p.numel() * 4 for p in generation.load_model(random_target).parameters())
 
 
 def test_synthetic_integer_prompt(random_target):
@@ -75,7 +77,7 @@ def test_batch_rows_equal_single_row(random_target):
 
 def test_sampling_is_seeded_and_respects_top_k(random_target):
     def sampled(seed):
-        return generate.main(["--checkpoint_path", str(random_target), "--prompt", "x = ", "--max_new_tokens", "12",
+        return cli.main(["--checkpoint_path", str(random_target), "--prompt", "x = ", "--max_new_tokens", "12",
                               "--num_samples", "1", "--temperature", "1.0", "--top_k", "1", "--ignore_eos",
                               "--seed", str(seed)])["samples"][0]["tokens"]
     # top_k 1 at any temperature is greedy
@@ -142,15 +144,15 @@ def test_compiled_equals_eager_without_recompiling(random_target):
     from torch._dynamo.utils import counters
     prompts = [torch.tensor(p) for p in ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4], [1, 30, 31, 32, 33, 34])]
     lengths = [12, 20, 7]
-    model = generate.load_model(random_target)
-    eager = [generate.generate(decode.Engine(model), p, n, decode.Sampling(), [], stop_at_eos=False)[0]
+    model = generation.load_model(random_target)
+    eager = [generation.generate(decode.Engine(model), p, n, decode.Sampling(), [], stop_at_eos=False)[0]
              for p, n in zip(prompts, lengths)]
     torch._dynamo.reset()
     counters.clear()
     engine = decode.compile_engine(model, "cpu", compile_prefill=True)
-    warm = generate.generate(engine, prompts[0], 4, decode.Sampling(), [], stop_at_eos=False)[0]
+    warm = generation.generate(engine, prompts[0], 4, decode.Sampling(), [], stop_at_eos=False)[0]
     graphs = counters["stats"]["unique_graphs"]
-    compiled = [generate.generate(engine, p, n, decode.Sampling(), [], stop_at_eos=False)[0]
+    compiled = [generation.generate(engine, p, n, decode.Sampling(), [], stop_at_eos=False)[0]
                 for p, n in zip(prompts, lengths)]
     assert compiled == eager and warm[0] == eager[0][0][:4]
     # other prompt lengths and decode lengths reuse the graphs compiled during warm-up
@@ -161,15 +163,15 @@ def test_compiled_equals_eager_without_recompiling(random_target):
 def test_cli_compile_flag_reports_compile_time(random_target):
     stats = run(random_target, "--ignore_eos", "--compile", n=6)
     assert stats["compile"] is True and stats["compile_seconds"] > 0
-    shallow = generate.load_model(random_target).args.n_layer <= decode.WHOLE_GRAPH_MAX_LAYERS
-    assert stats["compile_mode"] == ("whole_graph" if shallow else "regional")
+    shallow = generation.load_model(random_target).args.n_layer <= decode.WHOLE_GRAPH_MAX_LAYERS
+    assert stats["compile_mode"] == ("whole" if shallow else "regional")
     plain = run(random_target, "--ignore_eos", n=6)
     assert stats["samples"][0]["tokens"] == plain["samples"][0]["tokens"] and plain["compile_mode"] == "none"
 
 
 def error_of(*argv):
-    with pytest.raises(generate.UserError) as info:
-        generate.main(list(argv))
+    with pytest.raises(UserError) as info:
+        cli.main(list(argv))
     return str(info.value)
 
 
@@ -227,21 +229,21 @@ def test_rows_of_different_prompts_equal_each_prompt_alone(random_target, compil
     is the prompt's own greedy continuation, including a row that stops at EOS early; a second batch of other
     lengths reuses the compiled graphs."""
     from torch._dynamo.utils import counters
-    model = generate.load_model(random_target)
+    model = generation.load_model(random_target)
     eager = decode.Engine(model)
-    alone = [generate.generate(eager, torch.tensor(p), 16, decode.Sampling(), [], stop_at_eos=False)[0][0]
+    alone = [generation.generate(eager, torch.tensor(p), 16, decode.Sampling(), [], stop_at_eos=False)[0][0]
              for p in BATCH]
     eos = alone[2][5]  # row 2 meets this token early; the others may too, then they stop there as well
-    want = [generate.truncate_at_eos(row, {eos}) for row in alone]
+    want = [generation.truncate_at_eos(row, {eos}) for row in alone]
     torch._dynamo.reset()
     counters.clear()
     engine = decode.compile_engine(model, "cpu", compile_prefill=True) if compiled else eager
-    got, _ = generate.generate(engine, [list(p) for p in BATCH], 16, decode.Sampling(), [eos])
+    got, _ = generation.generate(engine, [list(p) for p in BATCH], 16, decode.Sampling(), [eos])
     assert got == want and len(got[2]) <= 6
     graphs = counters["stats"]["unique_graphs"]
     shifted = [p[:-1] or p for p in BATCH[1:]] + [list(BATCH[0]) + [7, 7]]  # other lengths, same batch size
-    got, _ = generate.generate(engine, shifted, 16, decode.Sampling(), [], stop_at_eos=False)
-    assert got == [generate.generate(eager, torch.tensor(p), 16, decode.Sampling(), [], stop_at_eos=False)[0][0]
+    got, _ = generation.generate(engine, shifted, 16, decode.Sampling(), [], stop_at_eos=False)
+    assert got == [generation.generate(eager, torch.tensor(p), 16, decode.Sampling(), [], stop_at_eos=False)[0][0]
                    for p in shifted]
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for other prompt lengths
 
@@ -249,7 +251,7 @@ def test_rows_of_different_prompts_equal_each_prompt_alone(random_target, compil
 def test_prompts_file_rows_in_stats_json(random_target, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def main("}\nHello, my name is\n\n{"prompt": "x = [1, 2"}\n')
-    stats = generate.main(["--checkpoint_path", str(random_target), "--prompts_file", str(prompts),
+    stats = cli.main(["--checkpoint_path", str(random_target), "--prompts_file", str(prompts),
                            "--batch_size", "2", "--max_new_tokens", "8", "--temperature", "0", "--ignore_eos",
                            "--stats_json", str(tmp_path / "stats.json")])
     rows = json.loads((tmp_path / "stats.json").read_text())["rows"]

@@ -19,11 +19,13 @@ import torch
 from tokenizers import Tokenizer
 
 import model
-from model import ModelArgs, Transformer, UserError
+from errors import UserError
+from model import ModelArgs, Transformer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 import convert_gguf_checkpoint as convert  # noqa: E402  (needs gguf)
+from helpers import cli
 
 Q = gguf.GGMLQuantizationType
 torch.set_num_threads(1)
@@ -366,17 +368,16 @@ def test_smollm2_with_a_draft_of_another_tokenizer(smollm2, trained_pair):
     """The real byte-level BPE target (ChatML specials, no BOS) with train_tiny.py's sentencepiece draft of its own
     vocabulary: greedy cross-tokenizer speculation equals SmolLM2's own greedy output on a chat turn and on text
     with unicode and digits; sampling runs and counts acceptance in target tokens."""
-    import generate
     _, out, _ = smollm2
     draft = trained_pair / "draft_othertok/model.pth"
     for prompt, extra in (("What is 12345 + 678? Answer briefly.", ["--chat"]), ("naïve café, 日本: 3.14159", [])):
         common = ["--checkpoint_path", str(out / "model.pth"), "--prompt", prompt, "--max_new_tokens", "20",
                   "--num_samples", "1", *extra]
-        plain = generate.main([*common, "--temperature", "0"])
-        crossed = generate.main([*common, "--temperature", "0", "--draft_checkpoint_path", str(draft),
-                                 "--speculate_k", "3"])
+        plain = cli.main([*common, "--temperature", "0"])
+        crossed = cli.main([*common, "--temperature", "0", "--draft_checkpoint_path", str(draft),
+                             "--speculate_k", "3"])
         assert crossed["speculative"] == "draft-cross-tokenizer"
         assert crossed["samples"][0]["tokens"] == plain["samples"][0]["tokens"]
-    sampled = generate.main([*common, "--temperature", "0.7", "--draft_checkpoint_path", str(draft),
+    sampled = cli.main([*common, "--temperature", "0.7", "--draft_checkpoint_path", str(draft),
                              "--speculate_k", "3"])
     assert 1 <= sampled["tokens_per_target_forward"] <= 7 and len(sampled["samples"][0]["tokens"]) <= 20

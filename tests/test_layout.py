@@ -1,14 +1,16 @@
-"""The layout: imports flow one way, model <- tokenizer, quantize, tp, decode <- speculate <- draftmodel, crossdraft
-<- generate <- scripts, tests; nothing but scripts and tests imports generate.py."""
+"""The layout: imports flow one way, errors, kernels <- model <- tokenizer, quantize, tp <- decode <- speculate <-
+draftmodel, crossdraft <- generation (the library) <- generate.py (the command line) <- nothing: scripts and tests import
+the library, never the command line."""
 import ast
 import subprocess
 import sys
 
 from helpers import ROOT
 
-LIBRARY = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "draftmodel", "crossdraft"]
 # each imports only earlier ones
-ORDER = ["model", "tokenizer", "quantize", "tp", "decode", "speculate", "draftmodel", "crossdraft", "generate"]
+ORDER = ["errors", "kernels", "model", "tokenizer", "quantize", "tp", "decode", "speculate", "draftmodel",
+         "crossdraft", "generation", "generate"]
+LIBRARY = ORDER[:-1]
 
 
 def top_level_imports(path) -> set:
@@ -32,6 +34,21 @@ def test_imports_flow_one_way():
     for i, name in enumerate(ORDER):
         later = top_level_imports(ROOT / f"{name}.py") - set(ORDER[:i])
         assert not later, f"{name}.py imports {sorted(later)}, which come after it (or itself)"
+
+
+def test_nothing_imports_the_command_line():
+    """Scripts, tests and the library import generation.py; generate.py is only ever run (tests of the command line
+    load its file and call its main, as `python generate.py` would)."""
+    files = [p for p in list(ROOT.glob("*.py")) + list(ROOT.glob("scripts/*.py")) + list(ROOT.glob("tests/*.py"))]
+    importers = [str(p.relative_to(ROOT)) for p in files if p.name != "generate.py" and "generate" in top_level_imports(p)]
+    assert not importers, f"{importers} import generate.py: import generation instead"
+
+
+def test_model_file_holds_only_the_model():
+    """model.py imports torch and the two small helper modules only, and defines no CLI or file writing."""
+    assert top_level_imports(ROOT / "model.py") <= {"errors", "kernels"}
+    source = (ROOT / "model.py").read_text()
+    assert "argparse" not in source and "write_atomically" not in source and "run_cli" not in source
 
 
 def test_no_import_cycle_among_top_level_modules():

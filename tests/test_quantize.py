@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import generate
+import generation
 import quantize
 import tp
 from helpers import ROOT, write_checkpoint
+from errors import UserError
+from helpers import cli
 
 
 def sample_weight(n=48, k=256):
@@ -171,8 +173,8 @@ def test_logits_close_to_full_precision(mode, groupsize, bound, which, target, t
     """Random tiny model, 2 x 24 tokens: ||logits - fp32 logits|| / ||fp32 logits|| under `bound`."""
     checkpoint = tied_target if which == "tied" else target
     precision = torch.bfloat16 if which == "bf16" else torch.float32
-    reference = generate.load_model(checkpoint)
-    model = generate.load_model(quantized_file(checkpoint, mode, groupsize), precision=precision)
+    reference = generation.load_model(checkpoint)
+    model = generation.load_model(quantized_file(checkpoint, mode, groupsize), precision=precision)
     assert model.quantization == {"mode": mode, **({"groupsize": groupsize} if groupsize else {})}
     w1 = model.layers[0].feed_forward.w1
     assert type(w1) is (quantize.Int8Linear if mode == "int8" else quantize.Int4Linear)
@@ -209,17 +211,17 @@ def test_heldout_perplexity_barely_moves(pair):
     """The trained tiny target on 2048 held-out tokens: int8 within 2%, int4 (groupsize 32) within 10%."""
     ids = heldout_ids(pair)
     checkpoint = pair / "target" / "model.pth"
-    base = perplexity(generate.load_model(checkpoint), ids)
+    base = perplexity(generation.load_model(checkpoint), ids)
     assert base < 0.5 * 512  # the model learned something a broken quantizer could destroy
     for mode, groupsize, rise in (("int8", None, 0.02), ("int4", 32, 0.10)):
-        ppl = perplexity(generate.load_model(quantized_file(checkpoint, mode, groupsize)), ids)
+        ppl = perplexity(generation.load_model(quantized_file(checkpoint, mode, groupsize)), ids)
         assert ppl < base * (1 + rise), (mode, ppl, base)
 
 
 # ----------------------------------------------------------------------------- generate.py
 
 def run(checkpoint, *extra, n=16):
-    return generate.main(["--checkpoint_path", str(checkpoint), "--prompt", "def main(", "--max_new_tokens", str(n),
+    return cli.main(["--checkpoint_path", str(checkpoint), "--prompt", "def main(", "--max_new_tokens", str(n),
                           "--num_samples", "1", "--temperature", "0", "--ignore_eos", *map(str, extra)])
 
 
@@ -239,7 +241,7 @@ def test_generate_loads_quantized_checkpoint_by_path(mode, groupsize, target, tm
     stats = run(path, "--stats_json", stats_path)
     assert json.loads(stats_path.read_text())["quantization"] == stats["quantization"] == mode
     assert f"(quantization: {mode})" in capsys.readouterr().out
-    model = generate.load_model(path)
+    model = generation.load_model(path)
     assert stats["samples"][0]["tokens"] == greedy_without_cache(model, stats["prompt_tokens"], 16)
     batched = run(path, "--batch_size", 3, n=8)["samples"][0]["batch_tokens"]
     assert batched == [stats["samples"][0]["tokens"][:8]] * 3
@@ -272,23 +274,23 @@ def test_greedy_speculative_with_int8_draft_or_target_equals_plain_greedy(pair):
 # ----------------------------------------------------------------------------- errors
 
 def test_clear_errors(target, draft, tmp_path):
-    with pytest.raises(generate.UserError, match="checkpoint not found"):
+    with pytest.raises(UserError, match="checkpoint not found"):
         quantize.quantize_checkpoint(tmp_path / "missing" / "model.pth", "int8")
     # the draft's layers take 32 inputs: a group of 64 cannot fit, and the message names the group size that does
-    with pytest.raises(generate.UserError, match=r"--groupsize 64 does not divide .* 32: use --groupsize 32"):
+    with pytest.raises(UserError, match=r"--groupsize 64 does not divide .* 32: use --groupsize 32"):
         quantize.quantize_checkpoint(draft, "int4", 64)
-    with pytest.raises(generate.UserError, match="--groupsize is for --mode int4"):
+    with pytest.raises(UserError, match="--groupsize is for --mode int4"):
         quantize.quantize_checkpoint(target, "int8", 32)
     int8 = quantized_file(target, "int8")
-    with pytest.raises(generate.UserError, match=r"already quantized \(int8\)"):
+    with pytest.raises(UserError, match=r"already quantized \(int8\)"):
         quantize.quantize_checkpoint(int8, "int4", 32)
     # a file whose scheme this code does not know is refused on load, not misread
     odd = tmp_path / "odd" / "model.pth"
     odd.parent.mkdir()
     (odd.parent / "config.json").write_bytes((target.parent / "config.json").read_bytes())
     torch.save({"quantization": {"mode": "int3"}, "model": {}}, odd)
-    with pytest.raises(generate.UserError, match="unknown quantization mode 'int3'"):
-        generate.load_model(odd)
+    with pytest.raises(UserError, match="unknown quantization mode 'int3'"):
+        generation.load_model(odd)
     assert not list(target.parent.glob(".*.tmp"))  # written atomically: no temporary file left
 
 
@@ -312,7 +314,7 @@ def test_cli_writes_the_file_and_errors_are_one_line(draft):
 def test_sharded_linears_add_up_to_the_unsharded_one(mode):
     """What tp.py does to each rank's copy, checked without torch.distributed: row-parallel partial outputs
     sum to the full output, column-parallel outputs side by side are the full output. Shards are cut from
-    the loaded (portable) weights and then packed for the CPU kernel, as generate.load_model does."""
+    the loaded (portable) weights and then packed for the CPU kernel, as generation.load_model does."""
     w = sample_weight(n=128, k=256)
     unpacked = quantized_linear(w, mode, pack=False)
     full = quantize_pack(copy.deepcopy(unpacked))
@@ -348,5 +350,5 @@ def quantize_pack(module):
 
 def test_int4_shard_must_hold_whole_groups():
     module = quantized_linear(sample_weight(n=32, k=64), "int4", groupsize=64, pack=False)
-    with pytest.raises(generate.UserError, match="group size 64 does not divide the 32 inputs"):
+    with pytest.raises(UserError, match="group size 64 does not divide the 32 inputs"):
         tp.keep_columns(module, 0, 2)

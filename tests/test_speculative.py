@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import draftmodel
-import generate
 import speculate
 from decode import Sampling, logits_to_probs, sample_from
 from helpers import (DRAWS, PROMPTS, REJECT_BELOW, copy_checkpoint, lossless_pvalues, plain_greedy, run,
                      speculative, tokens, write_checkpoint)
+from errors import UserError
+from helpers import cli
 
 @pytest.fixture(scope="module")
 def near_draft(random_target, tmp_path_factory):
@@ -128,8 +129,8 @@ def test_stats_add_up(random_target, near_draft, tmp_path):
 # ----------------------------------------------------------------------------- errors
 
 def error_of(*argv):
-    with pytest.raises(generate.UserError) as info:
-        generate.main([*map(str, argv)])
+    with pytest.raises(UserError) as info:
+        cli.main([*map(str, argv)])
     return str(info.value)
 
 

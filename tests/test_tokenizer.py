@@ -8,7 +8,7 @@ import pytest
 import tokenizer
 from helpers import (TEXT, STRINGS, LLAMA2_CONFIG, write_chatml_tokenizer, write_llama3_tokenizer,
                      write_sentencepiece_model, write_llama2_json_tokenizer, auto_tokenizer)
-from model import UserError
+from errors import UserError
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):

@@ -1,7 +1,7 @@
 """tp.py: tensor parallelism over 2 CPU processes (gloo, launched by torchrun) gives the tokens of one process.
 
 tests/tp_worker.py runs under torchrun: every rank compares its sharded logits with the unsharded model's
-and runs generate.main(), and writes what it got, so that the tests can compare the ranks with each other
+and runs cli.main(), and writes what it got, so that the tests can compare the ranks with each other
 and with one process.
 """
 import json
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import generate
 from helpers import ROOT, copy_checkpoint, write_checkpoint
+from helpers import cli
 
 PROMPT = "def main(): return main() if main else main(main(main("
 
@@ -30,19 +30,19 @@ def torchrun(*args, check=True, stdin=None):
     return result
 
 
-def cli(checkpoint, *extra, n=16):
+def argv_for(checkpoint, *extra, n=16):
     return ["--checkpoint_path", str(checkpoint), "--prompt", PROMPT, "--max_new_tokens", str(n),
             "--num_samples", "1", "--ignore_eos", "--device", "cpu", *map(str, extra)]  # a later --num_samples wins
 
 
 def single_process(checkpoint, *extra, n=16) -> dict:
-    return generate.main(cli(checkpoint, *extra, n=n))
+    return cli.main(argv_for(checkpoint, *extra, n=n))
 
 
 def tensor_parallel(tmp_path, checkpoint, *extra, n=16):
     """generate.py under torchrun with 2 ranks: (the stats JSON rank 0 wrote, stdout)."""
     stats = tmp_path / "tp_stats.json"
-    result = torchrun("generate.py", *cli(checkpoint, *extra, "--stats_json", stats, n=n))
+    result = torchrun("generate.py", *argv_for(checkpoint, *extra, "--stats_json", stats, n=n))
     return json.loads(stats.read_text()), result.stdout
 
 
@@ -91,14 +91,14 @@ def quantized_targets(tmp_path_factory, random_target) -> dict:
 @pytest.fixture(scope="module")
 def worker_runs(tmp_path_factory, random_target, close_draft, odd_vocab_target, quantized_targets):
     """One torchrun launch of 2 ranks (tests/tp_worker.py): the logits of both targets, and
-    generate.main() runs; what each rank got."""
+    cli.main() runs; what each rank got."""
     out = tmp_path_factory.mktemp("tp_worker")
-    runs = {"sampled_chain": cli(random_target, *SAMPLED, *chain(close_draft)),
-            "sampled_tree": cli(random_target, *SAMPLED, *tree(close_draft)),
+    runs = {"sampled_chain": argv_for(random_target, *SAMPLED, *chain(close_draft)),
+            "sampled_tree": argv_for(random_target, *SAMPLED, *tree(close_draft)),
             # n-gram drafts come from earlier samples too: the second sample repeats the first one
-            "greedy_ngram": cli(random_target, "--temperature", 0, "--draft_ngram", 2, "--speculate_k", 3,
+            "greedy_ngram": argv_for(random_target, "--temperature", 0, "--draft_ngram", 2, "--speculate_k", 3,
                                 "--tree_nodes", 4, "--num_samples", 2)}
-    runs["greedy_int4"] = cli(quantized_targets["int4"], "--temperature", 0, *chain(close_draft))
+    runs["greedy_int4"] = argv_for(quantized_targets["int4"], "--temperature", 0, *chain(close_draft))
     torchrun(ROOT / "tests/tp_worker.py", out, json.dumps([str(random_target), str(odd_vocab_target)]),
              json.dumps(runs))
     return runs, [torch.load(out / f"rank{r}.pt") for r in range(2)]
@@ -130,12 +130,12 @@ def test_sampled_speculative_tokens_agree_across_ranks(worker_runs, random_targe
         assert tokens(got) == tokens(twin) and got["accept_counts"] == twin["accept_counts"]
         assert tokens(got) != greedy  # really sampled
         assert sum(got["accept_counts"][1:]) > 0 and sum(got["accept_counts"][:-1]) > 0  # accepts and rejects
-        assert tokens(got) == tokens(generate.main(runs[name]))  # and the stream one process samples
+        assert tokens(got) == tokens(cli.main(runs[name]))  # and the stream one process samples
 
 
 def test_ngram_drafting_tokens_equal_single_process(worker_runs):
     runs, ranks = worker_runs
-    want = generate.main(runs["greedy_ngram"])
+    want = cli.main(runs["greedy_ngram"])
     assert sum(want["accept_counts"][1:]) > 0
     for rank in ranks:
         got = rank["runs"]["greedy_ngram"]
@@ -145,7 +145,7 @@ def test_ngram_drafting_tokens_equal_single_process(worker_runs):
 
 def test_int4_tokens_equal_single_process(worker_runs):
     runs, ranks = worker_runs
-    want = generate.main(runs["greedy_int4"])
+    want = cli.main(runs["greedy_int4"])
     for rank in ranks:
         got = rank["runs"]["greedy_int4"]
         assert got["quantization"] == want["quantization"] == "int4"
@@ -194,7 +194,7 @@ def test_interactive_rank_0_reads_and_every_rank_answers(random_target):
 def test_world_size_that_does_not_split_the_heads_is_refused(tokenizer_model, tmp_path):
     checkpoint = write_checkpoint(tmp_path / "three_kv_heads", tokenizer_model, dim=48, n_layer=1, n_head=6,
                                   n_local_heads=3, intermediate_size=96, vocab_size=512, block_size=64)
-    result = torchrun("generate.py", *cli(checkpoint, n=4), check=False)
+    result = torchrun("generate.py", *argv_for(checkpoint, n=4), check=False)
     assert result.returncode != 0 and result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     # one line per rank (torchrun may stop the other rank before it prints it), no traceback of ours

@@ -3,8 +3,9 @@ import json
 
 import torch
 
-import generate
+import generation
 from helpers import ROOT
+from helpers import cli
 
 
 def test_pair_layout_and_stats(trained_pair):
@@ -63,9 +64,9 @@ def test_target_continuations_for_the_other_vocabulary(trained_pair):
     windows = {tuple(stream[s:s + P].tolist()) for s in range(len(stream) - P + 1)}
     assert all(tuple(row[:P]) in windows for row in rows)
     for row in rows[::2]:
-        alone, _ = generate.generate(Engine(target), torch.tensor(row[:P]), 9, Sampling(0.0), [], stop_at_eos=False)
+        alone, _ = generation.generate(Engine(target), torch.tensor(row[:P]), 9, Sampling(0.0), [], stop_at_eos=False)
         assert alone[0] == row[P:]
-    assert any(row[P:] != generate.generate(Engine(target), torch.tensor(row[:P]), 9, Sampling(0.0), [],
+    assert any(row[P:] != generation.generate(Engine(target), torch.tensor(row[:P]), 9, Sampling(0.0), [],
                                             stop_at_eos=False)[0][0] for row in rows[1::2])
     a, b = sp.encode("x = 12345\n"), sp.encode("  return 'naïve'")
     converted = train_tiny.retokenize([a + [train_tiny.BOS_ID] + b, b], sp, other).tolist()
@@ -75,7 +76,7 @@ def test_target_continuations_for_the_other_vocabulary(trained_pair):
 
 
 def test_checkpoints_load_in_generate(trained_pair):
-    stats = generate.main(["--checkpoint_path", str(trained_pair / "target/model.pth"), "--draft_checkpoint_path",
+    stats = cli.main(["--checkpoint_path", str(trained_pair / "target/model.pth"), "--draft_checkpoint_path",
                            str(trained_pair / "draft/model.pth"), "--prompt", "import os\n", "--temperature", "0",
                            "--max_new_tokens", "12", "--num_samples", "1", "--speculate_k", "3"])
     assert len(stats["samples"][0]["tokens"]) <= 12 and stats["speculative"] == "draft"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import draftmodel
-import generate
+import generation
 import speculate
-from decode import Sampling
+from decode import Engine, Sampling
 from helpers import (DRAWS, PROMPTS, REJECT_BELOW, copy_checkpoint, lossless_pvalues, plain_greedy, run,
                      speculative, tokens)
 from model import ModelArgs, Transformer
@@ -56,7 +56,7 @@ def test_tree_forward_equals_each_branch_alone(kind, random_target):
     """Positions = prefix length + depth, and the mask from speculate.tree_mask: each node's logits equal
     those of its root-to-node branch run alone after the prefix."""
     if kind == "gqa":
-        model = generate.load_model(random_target)  # 4 query heads over 2 key/value heads
+        model = generation.load_model(random_target)  # 4 query heads over 2 key/value heads
     else:
         torch.manual_seed(0)
         model = Transformer(ModelArgs(dim=32, n_layer=2, n_head=4, vocab_size=64, block_size=128)).eval()
@@ -84,7 +84,7 @@ def test_target_cache_after_compaction_equals_fresh_decoding(random_target):
     """Three rounds of: a tree forward, accept a root-to-node path whose nodes are scattered over the
     tree's slots, move its keys/values to contiguous slots. Then decoding goes on with logits equal to
     those of a fresh model that read the prefix and the accepted paths as one sequence."""
-    model, fresh = generate.load_model(random_target), generate.load_model(random_target)
+    model, fresh = generation.load_model(random_target), generation.load_model(random_target)
     model.setup_caches(1, 96)
     fresh.setup_caches(1, 96)
     rng = random.Random(1)
@@ -114,21 +114,21 @@ def test_draft_cache_after_compaction_equals_fresh_decoding(random_draft, last_n
     scattered slots); after a path is accepted its cache is compacted, and a last accepted node the draft
     never read is fed with the next root. The next step's draft logits equal a fresh model's on the prefix
     and the accepted path read as one sequence."""
-    draft, fresh = generate.load_model(random_draft), generate.load_model(random_draft)
+    draft, fresh = generation.load_model(random_draft), generation.load_model(random_draft)
     fresh.setup_caches(1, 64)
     monkeypatch.setattr(draftmodel, "GREEDY_RANK_TEMPERATURE", 0.05)  # a random draft is flat: rank deep nodes high
-    speculator = draftmodel.DraftModelSpeculator(draft, 3, 9)
-    speculator.tree = None  # depth by depth on the host (draft_tree grows the same tree: test below)
+    speculator = draftmodel.ModelDrafter(Engine(draft), 3, 9)
+    speculator.grow_tree = None  # depth by depth on the host (draft_tree grows the same tree: test below)
     assert speculator.width == 4
     prompt = [1, 17, 33, 250, 7, 90]
     speculator.start([prompt], 64)
     calls = []  # (token ids, logits) of every draft forward
 
-    def recorded(model, x, input_pos, slots, mask, width, last):
-        calls.append((x, model(x, input_pos, slots, mask)))
+    def recorded(x, input_pos, slots, mask, width, last):
+        calls.append((x, draft(x, input_pos, slots, mask)))
         return draftmodel.greedy_candidates(calls[-1][1][:, -1] if last else calls[-1][1].flatten(0, 1), width)
 
-    speculator.candidates = recorded
+    speculator.propose = recorded
     pos, root = len(prompt), 42
     (tree,), _ = speculator.draft([root], [pos], 3, [prompt + [root]], Sampling())
     # a depth-2 node the draft read (it expanded it), or a depth-3 node it drafted but never read
@@ -157,9 +157,9 @@ def test_one_graph_tree_equals_the_host_tree(near_draft, k, nodes, sampling):
     """draft_tree (a tree's K draft forwards in one call, two graphs when compiled) grows the tree that draft() grows
     depth by depth on the host: the same tokens, parents, acceptance-table cells, draft slots and (sampled, same
     seed: the same draws) proposals, step after step as accepted paths compact the cache and the table learns."""
-    speculators = [draftmodel.DraftModelSpeculator(generate.load_model(near_draft), k, nodes) for _ in range(2)]
-    speculators[1].tree = None  # the host path
-    assert speculators[0].tree is draftmodel.draft_tree
+    speculators = [draftmodel.ModelDrafter(Engine(generation.load_model(near_draft)), k, nodes) for _ in range(2)]
+    speculators[1].grow_tree = None  # the host path
+    assert speculators[0].grow_tree.func is draftmodel.draft_tree
     prompt, rng = [1, 17, 33, 250, 7, 90], random.Random(k)
     for speculator in speculators:
         speculator.start([prompt], 96)
@@ -190,7 +190,7 @@ def test_one_graph_tree_equals_the_host_tree(near_draft, k, nodes, sampling):
 def test_tree_width(random_draft, k, nodes, width):
     """Children per expanded node: ceil(N / K), at least MIN_TREE_WIDTH (a small tree of width 2 chose its nodes
     among too few candidates), at most 8; a chain (N == K) has one."""
-    speculator = draftmodel.DraftModelSpeculator(generate.load_model(random_draft), k, nodes)
+    speculator = draftmodel.ModelDrafter(Engine(generation.load_model(random_draft)), k, nodes)
     assert speculator.width == width and draftmodel.AcceptanceTable(width).lookup_cells == speculator.table.lookup_cells
     assert speculator.lookahead >= max(nodes, (k - 1) * width)  # the draft cache's room for a step's tree
 
@@ -200,9 +200,9 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
     """A merged tree (draft + n-gram lookup): when the verifier accepts a looked-up branch the draft
     never read, the draft reads all of it before the next root, and its logits then equal a fresh
     model's on the prefix and the accepted branch read as one sequence."""
-    draft, fresh = generate.load_model(random_draft), generate.load_model(random_draft)
+    draft, fresh = generation.load_model(random_draft), generation.load_model(random_draft)
     fresh.setup_caches(1, 64)
-    speculator = draftmodel.DraftModelSpeculator(draft, 3, 16, ngram=2)
+    speculator = draftmodel.ModelDrafter(Engine(draft), 3, 16, ngram=2)
     prompt = [1, 17, 33, 250, 42, 5, 6, 7, 90, 11]
     speculator.start([prompt], 64)
     pos, root = len(prompt), 42  # the lookup proposes 5, 6, 7: what followed 42 before
@@ -216,11 +216,11 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
     assert speculator.pending[0] == [5, 6, 7]
     reads = []
 
-    def recorded(model, x, input_pos, slots, mask, width, last):
-        reads.append((x, model(x, input_pos, slots, mask)))
+    def recorded(x, input_pos, slots, mask, width, last):
+        reads.append((x, draft(x, input_pos, slots, mask)))
         return draftmodel.greedy_candidates(reads[-1][1][:, -1] if last else reads[-1][1].flatten(0, 1), width)
 
-    speculator.candidates = recorded
+    speculator.propose = recorded
     sequence, root = prompt + [42, 5, 6, 7], 99
     _, forwards = speculator.draft([root], [len(sequence)], 3, [sequence + [root]], Sampling())
     assert forwards == 1 + 3  # the looked-up tokens, then root and two depths
@@ -325,7 +325,7 @@ def test_ngram_greedy_identical_to_plain_decoding(random_target, extra, prompt):
 
 FAR_DRAFT = (1.0, 4.0)  # noise and sharpening of the draft (helpers.tiny_tables)
 
-real_sampled_children = draftmodel.DraftModelSpeculator.sampled_children
+real_sampled_children = draftmodel.ModelDrafter.sampled_children
 real_sampled_candidates = draftmodel.sampled_candidates
 real_tree_children = draftmodel.tree_children
 real_without = speculate.without
@@ -393,7 +393,7 @@ def test_sampled_tree_is_lossless(case, monkeypatch):
     if breakage is not None:
         name, broken = breakage
         # `without` serves both the draws (draftmodel) and the verifier (speculate); the rest live in draftmodel
-        owners = {"sampled_children": [draftmodel.DraftModelSpeculator], "without": [draftmodel, speculate]}
+        owners = {"sampled_children": [draftmodel.ModelDrafter], "without": [draftmodel, speculate]}
         for owner in owners.get(name, [draftmodel]):
             monkeypatch.setattr(owner, name, broken)
     pvalues, accept_counts = lossless_pvalues(6, sampling, ngram, draft=draft)

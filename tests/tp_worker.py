@@ -1,5 +1,5 @@
 """The torchrun worker of tests/test_tp.py: every rank loads each checkpoint whole and sharded, records the
-logits of both, runs generate.main() for each named command line, and saves what it got as OUT/rank{r}.pt.
+logits of both, runs cli.main() for each named command line, and saves what it got as OUT/rank{r}.pt.
 
     torchrun --nproc_per_node=2 tests/tp_worker.py OUT '["ckpt/model.pth"]' '{"name": ["--checkpoint_path", ...]}'
 """
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-import generate  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # root, tests/
+import generation  # noqa: E402
 import tp  # noqa: E402
+from helpers import load_cli  # noqa: E402
 
 
 def worker(out_dir, checkpoints, runs):
@@ -20,14 +21,15 @@ def worker(out_dir, checkpoints, runs):
     shard = functools.partial(tp.apply_tp, rank=rank, world_size=world_size)
     report = {"logits": {}, "runs": {}}
     for checkpoint in json.loads(checkpoints):
-        single, sharded = generate.load_model(checkpoint), generate.load_model(checkpoint, shard=shard)
+        single, sharded = generation.load_model(checkpoint), generation.load_model(checkpoint, shard=shard)
         attention = sharded.layers[0].attention
         report["logits"][checkpoint] = {
             "single": forward_and_decode(single), "tp": forward_and_decode(sharded),
             "q_heads": attention.n_head, "kv_heads": attention.kv_cache.k_cache.shape[1],
             "output_rows": sharded.output.weight.shape[0]}
+    cli = load_cli()
     for name, argv in json.loads(runs).items():
-        report["runs"][name] = generate.main(argv)
+        report["runs"][name] = cli.main(argv)
     torch.save(report, Path(out_dir) / f"rank{rank}.pt")
 
 

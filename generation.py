@@ -1,0 +1,560 @@
+"""The library: a checkpoint (and its draft) loaded into engines, and generation with it. Scripts, tests and servers
+import this; generate.py is its command line.
+
+    generator = Generator.build("checkpoints/tiny/target/model.pth", draft_checkpoint_path="checkpoints/tiny/draft/"
+                                "model.pth", speculation=Speculation(speculate_k=5), compile="auto")
+    rows, stats = generator.generate(generator.encode("def main("), 100, Sampling(temperature=0))
+
+Where a token comes from: generate() prefills the prompt (decode.prefill), then either decodes one token per target
+forward (decode.decode_n_tokens) or lets a speculator draft a token tree, verify it in one target forward and rewind
+the KV cache to the accepted path (speculate.Speculator; crossdraft for a draft of another tokenizer).
+"""
+import contextlib
+import functools
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, compile_engine, configure_compiler, decode_n_tokens, \
+    sdpa_context
+from draftmodel import ModelDrafter
+from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
+from kernels import use_fast_weight_layout
+from model import ModelArgs, Transformer
+from speculate import MAX_TREE_NODES, NgramDrafter, Speculator, combine_stats, format_stats, same_vocabulary
+from tokenizer import get_tokenizer
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=None) -> Transformer:
+    """A checkpoint file (model.pth, or a quantized file written by quantize.py) and the config.json
+    beside it. The file records its own quantization scheme. `shard(model)` (tensor parallelism) runs
+    on the memory-mapped weights, so each rank reads and moves to its device only its own slice."""
+    path = Path(checkpoint_path)
+    if not path.is_file():
+        hint = " (pass the model.pth file, not its directory)" if path.is_dir() else \
+            ("; download and convert one with scripts/prepare.sh ORG/MODEL, or train the tiny pair with "
+             "scripts/train_tiny.py")
+        raise UserError(f"checkpoint not found: {path}{hint}")
+    args = ModelArgs.from_checkpoint_dir(path.parent)
+    checkpoint = read_checkpoint(path)
+    scheme = checkpoint.get("quantization") if isinstance(checkpoint.get("quantization"), dict) else None
+    state_dict = checkpoint.get("model") if scheme else checkpoint
+    with torch.device("meta"):
+        model = Transformer(args)
+    if scheme:
+        import quantize
+        try:
+            quantize.apply_quantization_scheme(model, scheme)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise UserError(f"{path} does not hold a state dict of tensors: re-convert it")
+    if args.tie_word_embeddings and "output.weight" not in state_dict:
+        state_dict = dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
+    load_weights(model, state_dict, path)
+    wrong = [name for name, t in model.state_dict().items()
+             if t.is_floating_point() != state_dict.get(name, t).is_floating_point()]
+    if wrong:  # assign=True takes the file's dtypes: integer weights where floats belong would fail mid-run
+        raise UserError(f"{path}: {wrong[0]} holds {state_dict[wrong[0]].dtype} values where the model needs "
+                        f"floating point (or the reverse): re-convert the checkpoint")
+    if args.tie_word_embeddings and not scheme:
+        model.output.weight = model.tok_embeddings.weight
+    if shard is not None:
+        shard(model)
+    model = model.to(device=device)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point() and tensor.dtype != precision and "scales" not in name:
+            tensor.data = tensor.data.to(precision)
+    if scheme:
+        import quantize
+        quantize.pack_for_device(model)  # int4 on the CPU: the kernel's weight layout, made after sharding
+    use_fast_weight_layout(model)
+    model.quantization = scheme
+    model.checkpoint_path = path  # named by errors found while running it (NaN logits)
+    return model.eval().requires_grad_(False)
+
+
+@dataclass
+class Speculation:
+    """How to speculate: draft depth (`speculate_k`, an int >= 1, or "auto": an adaptive chain up to 8 that falls
+    back to plain decoding where that is faster), tokens verified per step (`tree_nodes`; None: a chain), and an
+    n-gram lookup (`draft_ngram`: n, 0 for none). Checked once, in check()."""
+    speculate_k: Union[int, str] = 5
+    tree_nodes: Optional[int] = None
+    draft_ngram: int = 0
+
+    @property
+    def depth(self) -> int:
+        return 8 if self.speculate_k == "auto" else self.speculate_k
+
+    @property
+    def nodes(self) -> int:
+        return self.tree_nodes if self.tree_nodes is not None else self.depth
+
+    def check(self, has_draft: bool, max_seq_length: int = None):
+        """Settings that cannot work, refused before anything is loaded (and, given the model's context,
+        tree sizes it cannot hold)."""
+        auto = self.speculate_k == "auto"
+        if not auto and (isinstance(self.speculate_k, bool) or not isinstance(self.speculate_k, int)):
+            raise UserError(f"`speculate_k` must be an integer >= 1 or 'auto', got {self.speculate_k!r}")
+        if not auto and self.speculate_k < 1:
+            raise UserError(f"`speculate_k` must be >= 1 (the number of draft tokens per step), got {self.speculate_k}")
+        if not has_draft and not self.draft_ngram and self.tree_nodes is not None:
+            raise UserError("`tree_nodes` needs a draft: add `draft_checkpoint_path` or `draft_ngram` N")
+        if self.nodes < self.depth:
+            raise UserError(f"`tree_nodes` ({self.nodes}) must be >= `speculate_k` ({self.depth}): a tree holds at least "
+                            f"one chain")
+        if auto and self.nodes != self.depth:
+            raise UserError("`speculate_k` auto adapts a chain: drop `tree_nodes`")
+        if self.draft_ngram and self.draft_ngram < 2:
+            raise UserError("`draft_ngram` N needs N >= 2 (N - 1 tokens of context find the continuation)")
+        if self.draft_ngram > 16:
+            raise UserError(f"`draft_ngram` {self.draft_ngram}: use N between 2 and 16 (longer contexts rarely recur)")
+        limit = min(MAX_TREE_NODES, max(1, (max_seq_length or 4 * MAX_TREE_NODES) // 4))
+        if self.nodes > limit:
+            raise UserError(f"`tree_nodes` / `speculate_k` of {self.nodes} is more than this model can use (at most "
+                            f"{limit}: {MAX_TREE_NODES}, and a quarter of its {max_seq_length}-token context): "
+                            f"lower it")
+
+
+def make_speculator(speculation: Speculation, draft: Optional[Engine], max_seq_length: int):
+    """The speculator for these settings with a draft of the target's tokenizer (or none), or None for plain
+    decoding."""
+    speculation.check(draft is not None, max_seq_length)
+    depth, nodes, auto = speculation.depth, speculation.nodes, speculation.speculate_k == "auto"
+    if speculation.draft_ngram and draft is not None and nodes == depth:
+        raise UserError("`draft_ngram` with a draft model merges lookups into the draft's tree: add `tree_nodes` N > "
+                        "`speculate_k`")
+    if draft is not None:
+        return Speculator(ModelDrafter(draft, depth, nodes, auto, speculation.draft_ngram), auto)
+    if speculation.draft_ngram:
+        return Speculator(NgramDrafter(speculation.draft_ngram, depth, nodes), auto)
+    return None
+
+
+def make_cross_speculator(speculation: Speculation, draft: Engine, draft_tokenizer, target_tokenizer,
+                          target_vocab_size: int, batch_size: int = 1, several_prompts: bool = False):
+    """The speculator for a draft whose tokenizer is not the target's; settings it cannot serve are refused."""
+    import crossdraft
+    draft_model = draft.model
+    if draft_tokenizer.vocab_size > draft_model.args.vocab_size:
+        raise UserError(f"the draft's tokenizer ({draft_tokenizer.directory}) has {draft_tokenizer.vocab_size} tokens, "
+                        f"more than the draft model's {draft_model.args.vocab_size}: use the tokenizer the draft came "
+                        f"with, or pick a draft from the same model family")
+    if batch_size > 1 or several_prompts:
+        raise UserError("a draft with another tokenizer speculates one prompt at a time: drop `batch_size` and "
+                        "`prompts_file`, or use a draft with the target's tokenizer")
+    if speculation.speculate_k == "auto" or speculation.tree_nodes not in (None, speculation.speculate_k) \
+            or speculation.draft_ngram:
+        raise UserError("a draft with another tokenizer drafts a chain of a fixed depth: give `speculate_k` N and "
+                        "drop `tree_nodes`, `draft_ngram` and 'auto'")
+    speculator = crossdraft.CrossTokenizerSpeculator(draft, draft_tokenizer, target_tokenizer, target_vocab_size,
+                                                     speculation.speculate_k)
+    for name, vocab in (("draft", speculator.draft_vocab), ("target", speculator.target_vocab)):
+        if not vocab.round_trips(crossdraft.PROBE):
+            raise UserError(f"cannot map the {name}'s tokens to text ({vocab.tokenizer.directory}: its pieces are "
+                            f"neither byte-level nor sentencepiece-style): pick a draft with the target's tokenizer")
+    if len(speculator.to_target) == 0:
+        raise UserError("the draft's and the target's tokenizers share no token: pick another draft")
+    return speculator
+
+
+class Generator:
+    """A checkpoint (and its drafter) loaded into engines, ready to generate."""
+
+    def __init__(self, model: Transformer, tokenizer, target: Engine, speculator=None):
+        self.model, self.tokenizer, self.target, self.speculator = model, tokenizer, target, speculator
+        self.device = model.tok_embeddings.weight.device
+        self.eos_ids = sorted(set(model.args.eos_token_ids) | set(tokenizer.eos_ids))
+
+    @classmethod
+    def build(cls, checkpoint_path, device: str = "cpu", precision=torch.float32, draft_checkpoint_path=None,
+              speculation: Speculation = None, compile: str = "none", compile_prefill: bool = False,
+              batch_size: int = 1, several_prompts: bool = False, shard=None) -> "Generator":
+        """Load the target (sharded by `shard` under tensor parallelism) and its draft (replicated: it is small),
+        pick the speculator (a draft of another tokenizer drafts through text), compile both in `compile` mode."""
+        speculation = speculation or Speculation()
+        speculation.check(draft_checkpoint_path is not None)
+        if compile not in COMPILE_MODES:
+            raise UserError(f"`compile` mode {compile!r} is not one of {', '.join(COMPILE_MODES)}")
+        checkpoint_path = Path(checkpoint_path)
+        model = load_model(checkpoint_path, device, precision, shard=shard)
+        tokenizer = get_tokenizer(checkpoint_path.parent)
+        if tokenizer.vocab_size > model.args.vocab_size:
+            raise UserError(f"the tokenizer beside {checkpoint_path} has {tokenizer.vocab_size} tokens, more than the "
+                            f"model's {model.args.vocab_size}: use the tokenizer the checkpoint came with")
+        target = compile_engine(model, device, compile, compile_prefill)
+        if draft_checkpoint_path is None:
+            return cls(model, tokenizer, target, make_speculator(speculation, None, model.args.block_size))
+        draft_model = load_model(draft_checkpoint_path, device, precision)
+        draft_tokenizer = get_tokenizer(Path(draft_checkpoint_path).parent)
+        draft = compile_engine(draft_model, device, compile, compile_prefill)
+        if same_vocabulary(tokenizer, draft_tokenizer, model.args.vocab_size, draft_model.args.vocab_size):
+            return cls(model, tokenizer, target, make_speculator(speculation, draft, model.args.block_size))
+        return cls(model, tokenizer, target, make_cross_speculator(speculation, draft, draft_tokenizer, tokenizer,
+                                                                   model.args.vocab_size, batch_size,
+                                                                   several_prompts))
+
+    @property
+    def lookahead(self) -> int:
+        return self.speculator.lookahead if self.speculator else 0
+
+    def reserve(self, batch_size: int, max_tokens: int):
+        """Allocate the caches for `batch_size` rows of up to max_tokens (prompt + new) once: a cache that grew
+        later would change the compiled graphs' shapes and compile them again."""
+        self.model.setup_caches(batch_size, max_tokens + 1 + self.lookahead)
+
+    def encode(self, prompt: str, chat: bool = False, seed: int = 0) -> list:
+        return encode_prompt(prompt, self.tokenizer, self.model.args.vocab_size, seed, chat)
+
+    def generate(self, prompt, max_new_tokens: int, sampling: Sampling, stop_at_eos: bool = True,
+                 batch_size: int = 1, callback=None):
+        """generate() with this generator's engine, speculator and end-of-sequence tokens. prompt: ids (a list of
+        ints, copied on batch_size rows), or a list of prompts (lists of ids), one row each."""
+        if prompt and isinstance(prompt[0], int):
+            prompt = torch.tensor(prompt, device=self.device, dtype=torch.long)
+        return generate(self.target, prompt, max_new_tokens, sampling, self.eos_ids, stop_at_eos, batch_size,
+                        self.speculator, callback)
+
+
+# ----------------------------------------------------------------------------- one generation
+
+@torch.no_grad()  # also lets inductor freeze the weights into the compiled graphs (decode.compile_engine)
+def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eos_ids: list,
+             stop_at_eos: bool = True, batch_size: int = 1, speculator=None, callback=None):
+    """Generate up to max_new_tokens after `prompt`: 1-D ids (repeated on batch_size rows), or a list of
+    prompts (lists of ids, of any lengths), one row each. Returns (new ids, one list per row; stats).
+    With a speculator every step drafts a token tree and the target verifies it in one forward; without one,
+    tokens come one per target forward."""
+    model = target.model
+    device = model.tok_embeddings.weight.device
+    prompts = [list(p) for p in prompt] if isinstance(prompt, list) else [prompt.tolist()] * batch_size
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    T = max(len(p) for p in prompts)
+    model.setup_caches(len(prompts), T + max_new_tokens + (speculator.lookahead if speculator else 0) + 1)
+    x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # [B, T], right-padded
+    input_pos = torch.arange(T, device=device).expand(len(prompts), T)  # [B, T]
+    with sdpa_context():
+        first, finite = target.prefill(model, x, input_pos, sampling, lengths - 1)
+    if not bool(finite):  # one look at the host per generation: NaN weights would otherwise decode token 0 forever
+        source = getattr(model, "checkpoint_path", "the checkpoint")
+        raise UserError(f"the model's logits for the prompt are NaN or infinite: the weights in {source} are broken; "
+                        f"re-convert or re-download it (or try `precision` fp32)")
+    first = first.clone()
+    if speculator is not None:
+        return speculator.generate(target, prompts, first, max_new_tokens, sampling, eos_ids, stop_at_eos, callback)
+    if callback:
+        callback(first)
+    eos = set(eos_ids)
+    rest = []
+    if max_new_tokens > 1 and not (stop_at_eos and all(t in eos for t in first.tolist())):
+        rest = decode_n_tokens(target, first, lengths, max_new_tokens - 1, sampling, eos_ids, stop_at_eos, callback)
+    rows = torch.stack([first] + rest, dim=1).tolist()  # [B, n]
+    if stop_at_eos:
+        rows = [truncate_at_eos(row, eos) for row in rows]
+    return rows, {"target_forwards": len(rest) + 1}
+
+
+def truncate_at_eos(ids: list, eos: set) -> list:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[: i + 1]
+    return ids
+
+
+def encode_prompt(prompt: str, tokenizer, vocab_size: int, seed: int, chat: bool = False) -> list:
+    """The ids the model sees: the tokenizer's own (BOS added exactly as its Hugging Face tokenizer does), the
+    chat template's rendering of one user turn (chat), or for a synthetic prompt "N" the tokenizer's special
+    tokens and N random ids."""
+    if chat:
+        return tokenizer.chat_ids([{"role": "user", "content": prompt}])
+    if prompt.strip().isdigit():
+        n = int(prompt)
+        if n > 10**7:
+            raise UserError(f"`prompt` {n}: a synthetic prompt of more than 10^7 tokens fits no model's context")
+        generator = torch.Generator().manual_seed(seed)
+        return tokenizer.encode_prompt("") + torch.randint(3, vocab_size, (n,), generator=generator).tolist()
+    return tokenizer.encode_prompt(prompt)
+
+
+def check_fits(prompt_tokens: int, max_new_tokens: int, block_size: int):
+    needed = prompt_tokens + max_new_tokens
+    if needed > block_size:
+        raise UserError(f"prompt ({prompt_tokens} tokens) + `max_new_tokens` ({max_new_tokens}) = {needed} exceeds "
+                        f"the model's context of {block_size} tokens: shorten the prompt or lower `max_new_tokens`")
+
+
+def read_prompts_file(path: Path) -> list:
+    """One prompt per non-empty line, plain text or a JSON object with a "prompt" string."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"`prompts_file` {path}: cannot read it ({e}): pass a UTF-8 text file") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                line = json.loads(line)["prompt"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"`prompts_file` {path}, line {number}: a JSON line needs a \"prompt\" field") from None
+            if not isinstance(line, str):
+                raise UserError(f"`prompts_file` {path}, line {number}: \"prompt\" must be a string")
+        prompts.append(line)
+    if not prompts:
+        raise UserError(f"`prompts_file` {path} holds no prompt: write one prompt per line")
+    return prompts
+
+
+# ----------------------------------------------------------------------------- a whole run: samples and stats
+
+@dataclass
+class Settings:
+    """One run's configuration (generate.py's flags, by the same names), checked once in check()."""
+    checkpoint_path: Path = Path("checkpoints/tiny/target/model.pth")
+    draft_checkpoint_path: Optional[Path] = None
+    prompt: str = "Hello, my name is"
+    chat: bool = False  # the checkpoint's chat template around the prompt (one user turn)
+    num_samples: int = 5
+    max_new_tokens: int = 200
+    batch_size: int = 1
+    prompts_file: Optional[Path] = None
+    temperature: float = 0.8
+    top_k: Optional[int] = 200
+    top_p: Optional[float] = None
+    seed: int = 1234
+    speculation: Speculation = field(default_factory=Speculation)
+    compile: str = "none"
+    compile_prefill: bool = False
+    device: str = "cpu"
+    precision: Optional[str] = None  # None: bf16 on CUDA, fp32 on CPU
+    profile: Optional[Path] = None
+    stats_json: Optional[Path] = None
+    stop_at_eos: bool = True
+
+    def check(self):
+        """Settings that cannot work, refused before anything is loaded."""
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise UserError(f"`{name}` must be a finite number, got {value}")
+        if self.temperature < 0:
+            raise UserError(f"`temperature` must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"`top_k` must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"`top_p` must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise UserError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}")
+        if self.num_samples < 1 or self.batch_size < 1:
+            raise UserError("`num_samples` and `batch_size` must be >= 1")
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"`seed` must be in [0, 2^63), got {self.seed}")
+        try:
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError("`prompt` is not valid UTF-8 text: pass the prompt in UTF-8") from None
+        if self.compile not in COMPILE_MODES:
+            raise UserError(f"`compile` must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.compile_prefill and self.compile == "none":
+            raise UserError("`compile_prefill` compiles the prefill beside the decode graph: add `compile`")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise UserError(f"`precision` must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise UserError(f"`device` {self.device}: use cpu or cuda (cuda:N)")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError("`device` cuda asked for, but torch sees no CUDA device; use `device` cpu")
+        for name in ("stats_json", "profile"):
+            if getattr(self, name) is not None:
+                check_output_file(Path(getattr(self, name)), name)
+        self.speculation.check(self.draft_checkpoint_path is not None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision or ("bf16" if self.device.startswith("cuda") else "fp32")]
+
+
+def setup_distributed(device: str):
+    """Tensor parallelism when launched by torchrun with more than one process (see tp.py): every rank runs
+    the same generation on the same tokens from the same seed; only rank 0 prints and writes files.
+    Returns (rank, world_size, shard function or None)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise UserError(f"WORLD_SIZE={world!r} is not a positive integer: launch with torchrun --nproc_per_node=N")
+    if int(world) == 1:
+        return 0, 1, None
+    import tp
+    rank, world_size = tp.init_distributed(device)
+    return rank, world_size, functools.partial(tp.apply_tp, rank=rank, world_size=world_size)
+
+
+def run(settings: Settings, say=print, questions=None) -> dict:
+    """A whole run: load, compile (a warm-up sample, timed apart), then num_samples samples of the prompt, the
+    prompts of prompts_file batch_size at a time, or, given `questions` (an iterator of user turns), a conversation
+    in the checkpoint's chat template with streamed answers. Returns the stats (the --stats_json object)."""
+    settings.check()
+    torch.manual_seed(settings.seed)
+    if settings.compile != "none":
+        configure_compiler(settings.device)
+    rank, world_size, shard = setup_distributed(settings.device)
+    say = say if rank == 0 else (lambda *a, **k: None)
+    t0 = time.perf_counter()
+    generator = Generator.build(settings.checkpoint_path, settings.device, settings.dtype,
+                                settings.draft_checkpoint_path, settings.speculation, settings.compile,
+                                settings.compile_prefill, settings.batch_size, settings.prompts_file is not None,
+                                shard)
+    load_seconds = time.perf_counter() - t0
+    model = generator.model
+    sampling = Sampling(settings.temperature, settings.top_k, settings.top_p)
+    prompt_ids = generator.encode(settings.prompt, settings.chat, settings.seed)
+    batches = texts = None
+    if settings.prompts_file:
+        texts = read_prompts_file(Path(settings.prompts_file))
+        ids = [generator.encode(text, settings.chat, settings.seed) for text in texts]
+        batches = [ids[i:i + settings.batch_size] for i in range(0, len(ids), settings.batch_size)]
+        prompt_ids = max(ids, key=len)
+    check_fits(len(prompt_ids), settings.max_new_tokens, model.args.block_size)
+    quantization = f" (quantization: {model.quantization['mode']})" if model.quantization else ""
+    say(f"Loaded {settings.checkpoint_path} in {load_seconds:.2f} s{quantization}"
+        f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
+
+    def timed(ids: list, callback=None, profile=False):
+        """One generation (ids of one prompt, or a list of prompts' ids), timed: (rows of new ids, stats, seconds)."""
+        sync = torch.cuda.synchronize if settings.device.startswith("cuda") else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        with torch.profiler.profile() if profile else contextlib.nullcontext() as prof:
+            rows, stats = generator.generate(ids, settings.max_new_tokens, sampling, settings.stop_at_eos,
+                                             settings.batch_size, callback)
+            sync()
+        if profile:
+            write_output(Path(settings.profile), "profile", lambda tmp: prof.export_chrome_trace(str(tmp)))
+        return rows, stats, time.perf_counter() - t
+
+    generator.reserve(settings.batch_size, len(prompt_ids) + settings.max_new_tokens)
+    compile_seconds = 0.0
+    if settings.compile != "none":  # a warm-up sample compiles the graphs; its time is reported, not counted
+        compile_seconds = timed(batches[0] if batches else prompt_ids)[2]
+        say(f"Compilation (warm-up sample) took {compile_seconds:.2f} s")
+    rows = None
+    if questions is not None:
+        samples, stats = converse(timed, generator, questions, rank, say)
+    elif batches:
+        samples, stats, rows = run_prompts_file(timed, batches, texts, generator, say)
+    else:
+        samples, stats = [], {}
+        for i in range(settings.num_samples):
+            last = i == settings.num_samples - 1
+            new, stats, seconds = timed(prompt_ids, profile=settings.profile is not None and last and rank == 0)
+            samples.append(sample_record(new, seconds, generator.tokenizer))
+            synthetic = settings.prompt.strip().isdigit() or settings.chat
+            say((generator.tokenizer.decode(prompt_ids) if synthetic else settings.prompt) + samples[-1]["text"])
+            say(f"\nSample {i + 1}: " + report(samples[-1], model, settings.batch_size))
+            if generator.speculator is not None:
+                say(format_stats(stats))
+
+    result = summarize(settings, generator, prompt_ids, samples, stats, compile_seconds, world_size)
+    if rows is not None:
+        result["rows"] = rows
+    say(f"Average: {result['tokens_per_sec']:.2f} tokens/s, {result['bandwidth_gbs']:.2f} GB/s")
+    say(f"Peak memory: {result['peak_memory_gb']:.2f} GB")
+    if settings.stats_json and rank == 0:
+        write_output(Path(settings.stats_json), "stats_json",
+                     lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
+    return result
+
+
+def run_prompts_file(timed, batches: list, texts: list, generator: Generator, say):
+    """The prompts of a prompts file, batch_size rows at a time. Returns (timed samples, stats, rows)."""
+    samples, stats, rows = [], [], []
+    for batch in batches:
+        new, batch_stats, seconds = timed(batch)
+        stats.append(batch_stats)
+        n = sum(len(r) for r in new)
+        samples.append({"rows": len(batch), "seconds": seconds, "tokens_per_sec": n / seconds})
+        for ids, tokens in zip(batch, new):
+            text = texts[len(rows)]
+            rows.append({"prompt": text, "prompt_tokens": ids, "tokens": tokens,
+                         "text": generator.tokenizer.decode(tokens)})
+            say(text + rows[-1]["text"] + "\n")
+        say(f"Batch {len(samples)}: " + report(samples[-1], generator.model, len(batch)))
+    if "accept_counts" in stats[0]:  # speculative: acceptance over every batch
+        say(format_stats(combine_stats(stats)))
+        return samples, combine_stats(stats), rows
+    return samples, {"target_forwards": sum(s["target_forwards"] for s in stats)}, rows
+
+
+def converse(timed, generator: Generator, questions, rank: int, say):
+    """A conversation: each question answered in the checkpoint's own chat template (streamed), the conversation
+    kept, until the questions end."""
+    tokenizer, model = generator.tokenizer, generator.model
+    messages, samples, stats = [], [], {}
+    stop = set(generator.eos_ids)
+    for text in questions:
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.chat_ids(messages)
+        check_fits(len(ids), 1, model.args.block_size)
+        streamed, shown = [], [""]
+
+        def stream(token):
+            if rank == 0 and int(token[0]) not in stop:  # the end-of-turn token ends the answer, unprinted
+                streamed.append(int(token[0]))
+                text = tokenizer.decode(streamed)
+                if not text.endswith("\ufffd"):  # print whole characters only (a token may end mid-UTF-8)
+                    say(text[len(shown[0]):], end="", flush=True)
+                    shown[0] = text
+
+        rows, stats, seconds = timed(ids, callback=stream)
+        samples.append(sample_record(rows, seconds, tokenizer))
+        say(f"\nSample {len(samples)}: " + report(samples[-1], model, 1))
+        answer = [t for t in rows[0] if t not in stop]
+        messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
+        say()
+    return samples, stats
+
+
+def sample_record(rows: list, seconds: float, tokenizer) -> dict:
+    n = sum(len(row) for row in rows)
+    record = {"tokens": rows[0], "text": tokenizer.decode(rows[0]), "seconds": seconds, "tokens_per_sec": n / seconds}
+    if len(rows) > 1:
+        record["batch_tokens"] = rows
+    return record
+
+
+def report(sample: dict, model: Transformer, batch_size: int) -> str:
+    n, seconds = round(sample["tokens_per_sec"] * sample["seconds"]), sample["seconds"]
+    return (f"{n} tokens in {seconds:.2f} s, {n / seconds:.2f} tokens/s, "
+            f"{model.model_bytes() * n / batch_size / seconds / 1e9:.2f} GB/s")
+
+
+def summarize(settings: Settings, generator: Generator, prompt_ids, samples, stats, compile_seconds, world_size):
+    model = generator.model
+    tokens_per_sec = sum(s["tokens_per_sec"] for s in samples) / max(len(samples), 1)
+    nbytes = model.model_bytes()  # per rank under tensor parallelism: each rank reads its shard
+    result = {
+        "device": settings.device, "precision": {v: k for k, v in PRECISIONS.items()}[settings.dtype],
+        "compile": settings.compile != "none", "speculative": generator.speculator.kind if generator.speculator
+        else "none", "compile_mode": generator.target.mode,
+        "quantization": (model.quantization or {}).get("mode", "none"),
+        "world_size": world_size, "batch_size": settings.batch_size,
+        "prompt_tokens": prompt_ids, "samples": samples, "tokens_per_sec": tokens_per_sec,
+        "bandwidth_gbs": nbytes * tokens_per_sec / settings.batch_size / 1e9, "model_bytes": nbytes,
+        "compile_seconds": compile_seconds,
+    }
+    if generator.speculator is not None:
+        result.update(stats)
+    if settings.device.startswith("cuda"):
+        result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    else:
+        import resource
+        result["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    return result

@@ -1,0 +1,80 @@
+"""CPU kernel choice: which memory layout and which library multiplies a weight fastest on this machine. A runtime
+choice made before the first forward: the same products, summed in another order (float32 rounding apart, the same
+results); state dict keys, shapes and tied weights are unchanged. Measurements: BENCHMARKS.md."""
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _packed_linear(x: Tensor, packed: Tensor) -> Tensor:
+    """x [..., in] times a weight that oneDNN packed for its own kernels: [..., out]."""
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, None, "none", [], "")  # [rows, out]
+    return y.view(*x.shape[:-1], packed.shape[0])  # [..., out]
+
+
+# An operator of its own, so that compiled graphs call oneDNN's kernel on the packed weight as it is (inductor cannot
+# lower mkldnn._linear_pointwise on a weight it did not pack itself). Defined through torch.library's low-level API,
+# whose dispatch is far cheaper per call than torch.library.custom_op's Python wrapper.
+_LIBRARY = torch.library.Library("fastgen", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")  # the packed weight is an MkldnnCPU tensor
+
+
+@torch.library.register_fake("fastgen::packed_linear")
+def _(x: Tensor, packed: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+packed_linear = torch.ops.fastgen.packed_linear
+PACK_ROWS = 8  # the row count oneDNN tunes a packed weight for, and onednn_is_faster measures at
+
+
+def pack_weight(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+@functools.cache
+def onednn_is_faster(out_features: int, in_features: int) -> bool:
+    """Whether a float32 CPU product of PACK_ROWS rows with a weight [out, in] runs at least 10% faster on a
+    oneDNN-packed weight than through F.linear (MKL), on this machine. Timed once per shape and process (a few
+    milliseconds): the best of 7 turns of 5 calls each, the two taking turns."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    weight, x = torch.randn(out_features, in_features), torch.randn(PACK_ROWS, in_features)
+    packed = pack_weight(weight)
+    candidates = {"packed": lambda: packed_linear(x, packed), "baseline": lambda: F.linear(x, weight)}
+    best = dict.fromkeys(candidates, float("inf"))
+    with torch.no_grad():
+        for fn in candidates.values():
+            fn()  # warm-up
+        for _ in range(7):  # taking turns, so that a busy moment of a shared machine slows both alike
+            for name, fn in candidates.items():
+                start = time.perf_counter()
+                for _ in range(5):
+                    fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["packed"] < 0.9 * best["baseline"]
+
+
+def column_major_is_faster(weight: Tensor) -> bool:
+    """Whether x @ W^T for one token runs faster with the weight W [out, in] stored column-major (as a contiguous
+    W^T): float32 mat-vecs on the CPU read it faster that way; bfloat16 ones do not, and products of several
+    tokens are about even (BENCHMARKS.md, history)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+
+
+def use_fast_weight_layout(model: torch.nn.Module):
+    """Store each linear weight in the layout its device multiplies fastest (column_major_is_faster), and give
+    float32 CPU linears that can use one (a `pack` method) a oneDNN-packed copy for products of several rows where
+    that measures faster. An output layer tied to the embeddings still shares its tensor (a lookup reads one row
+    either way). Quantized layers keep the layout of their kernels."""
+    for module in model.modules():
+        weight = module.weight if isinstance(module, torch.nn.Linear) else None
+        if weight is not None and column_major_is_faster(weight) and weight.stride() != (1, weight.shape[0]):
+            weight.data = weight.data.t().contiguous().t()  # [out, in] with strides (1, out)
+        if hasattr(module, "pack") and weight is not None and weight.device.type == "cpu" \
+                and weight.dtype == torch.float32 and onednn_is_faster(*weight.shape):
+            module.pack()
