@@ -110,8 +110,8 @@ class Speculation:
         if not has_draft and not self.draft_ngram and self.tree_nodes is not None:
             raise UserError("`tree_nodes` needs a draft: add `draft_checkpoint_path` or `draft_ngram` N")
         if self.nodes < self.depth:
-            raise UserError(f"`tree_nodes` ({self.nodes}) must be >= `speculate_k` ({self.depth}): a tree holds at least "
-                            f"one chain")
+            raise UserError(f"`tree_nodes` ({self.nodes}) must be >= `speculate_k` ({self.depth}): a tree holds at "
+                            f"least one chain")
         if auto and self.nodes != self.depth:
             raise UserError("`speculate_k` auto adapts a chain: drop `tree_nodes`")
         if self.draft_ngram and self.draft_ngram < 2:

@@ -519,6 +519,7 @@ def test_table_is_big_enough():
             "scripts/convert_gguf_checkpoint.py", "-m"} <= {c.argv[0] for c in SUBPROCESS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SUBPROCESS, ids=[c.id for c in SUBPROCESS])
 def test_bad_input(case, results):
     if case.skip:

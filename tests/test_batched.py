@@ -8,8 +8,7 @@ import torch
 import decode
 import generation
 import speculate
-from helpers import DRAWS, PREFIX, PREFIX2, REJECT_BELOW, copy_checkpoint, lossless_pvalues
-from helpers import cli
+from helpers import cli, copy_checkpoint, lossless_pvalues, DRAWS, PREFIX, PREFIX2, REJECT_BELOW
 
 # different lengths; the second repeats itself, so an n-gram lookup finds continuations
 BATCH = ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4, 7, 3, 3, 8, 20], [1, 30, 31, 32, 33, 34], [1, 250])
@@ -68,6 +67,7 @@ def test_rows_equal_each_prompt_alone(random_target, near_draft, kind):
                                                         model.args.block_size))
 
 
+@pytest.mark.slow
 def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target, near_draft):
     """check_rows() for every kind on compiled graphs (one compiled target; the kinds verify 4 or 9 tokens per
     row): after warm-up, batches of other prompt lengths compile nothing new."""
@@ -78,7 +78,8 @@ def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target
     model.setup_caches(len(BATCH), model.args.block_size)  # once for every kind, as generate.main does for a run
     for kind, (draft_name, k, nodes, ngram) in KINDS.items():
         draft_engine = decode.compile_engine(draft, "cpu") if draft_name else None
-        drafter = generation.make_speculator(generation.Speculation(k, nodes, ngram), draft_engine, model.args.block_size)
+        speculation = generation.Speculation(k, nodes, ngram)
+        drafter = generation.make_speculator(speculation, draft_engine, model.args.block_size)
         before, after = check_rows(engine, eager, drafter)
         assert after == before, f"{kind}: {after - before} graphs compiled after warm-up"
 
@@ -91,7 +92,8 @@ def test_speculate_k_auto_falls_back_to_plain_when_speculation_is_slower(random_
     want = alone(engine, BATCH, 30)
     for plain_step, switched in ((1e-9, True), (1e9, False)):  # plain decoding made to look faster, then slower
         monkeypatch.setattr(speculate, "plain_step_seconds", lambda *a: plain_step)
-        drafter = generation.make_speculator(generation.Speculation("auto"), decode.Engine(draft), model.args.block_size)
+        speculation = generation.Speculation("auto")
+        drafter = generation.make_speculator(speculation, decode.Engine(draft), model.args.block_size)
         got, stats = generation.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
                                        stop_at_eos=False, speculator=drafter)
         assert got == want
@@ -122,6 +124,7 @@ def test_prompts_file_with_a_draft(random_target, near_draft, tmp_path):
         assert row["tokens"] == single["samples"][0]["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree_nodes", [2, 6], ids=["chain", "tree"])
 def test_sampling_is_lossless_per_row_at_two_positions(tree_nodes):
     """Rows of two prompts of different lengths in one batch (so at different cache positions), sampled at

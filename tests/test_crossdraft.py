@@ -146,6 +146,7 @@ def test_greedy_identical_on_every_prompt(random_target, noisy_draft, byte_level
     assert tokens(speculative(random_target, byte_level_draft, 3, "--ignore_eos", prompt=prompt)) == want
 
 
+@pytest.mark.slow
 def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
     """Compiled target and draft graphs, chains padded to one of two verify shapes (K + 1 target tokens, or 2K + 1
     when re-tokenization made the chain longer): still the target's greedy output. A sampled chain has one target
@@ -241,6 +242,7 @@ def test_chain_in_one_call_drafts_what_k_steps_draft(random_target, noisy_draft,
             assert p is None and q is None
 
 
+@pytest.mark.slow
 def test_compiled_chain_proposals_are_those_of_its_draws(random_target, noisy_draft):
     """The K sampled draft steps compiled as one graph: each q_T handed to the verifier is the eager step's q_T in the
     context of the graph's own earlier draws, and every draw is a token of the intersection."""
@@ -256,6 +258,7 @@ def test_compiled_chain_proposals_are_those_of_its_draws(random_target, noisy_dr
             x = drawn[:, i: i + 1]
 
 
+@pytest.mark.slow
 def test_compiled_catch_up_writes_what_an_eager_forward_writes(random_target, noisy_draft):
     """A few accepted tokens the draft has not read go through its compiled one-token graph (CATCH_UP_STEPS), more
     through one eager forward: the draft's cache and its next chain come out the same either way."""
@@ -503,6 +506,7 @@ LOSSLESS_CASES = {"temperature 1": (Sampling(1.0), False, DRAWS),
                   "broken: q not renormalized over the intersection": (Sampling(1.0), True, 2_500)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", LOSSLESS_CASES)
 def test_sampling_is_lossless(case, monkeypatch, tmp_path_factory):
     sampling, broken, n = LOSSLESS_CASES[case]

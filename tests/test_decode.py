@@ -18,7 +18,7 @@ def greedy(engine, prompt, n=12):
     return generation.generate(engine, prompt, n, decode.Sampling(), [], stop_at_eos=False)[0][0]
 
 
-@MODES
+@pytest.mark.parametrize("mode", ["regional", pytest.param("whole", marks=pytest.mark.slow)])
 def test_models_of_one_shape_never_share_weights_through_compiled_graphs(random_target, tmp_path, mode):
     other = copy_checkpoint(random_target, tmp_path / "other", noise=1.0, seed=5)  # same shape, other weights
     first, second = generation.load_model(random_target), generation.load_model(other)
@@ -63,7 +63,8 @@ def test_auto_compile_mode_follows_depth():
     whole = torch._dynamo.eval_frame.OptimizedModule
     assert not isinstance(decode.compile_engine(deep, "cpu").forward, whole)
     assert isinstance(decode.compile_engine(shallow, "cpu").forward, whole)
-    assert decode.compile_engine(deep, "cpu").mode == "regional" and decode.compile_engine(shallow, "cpu").mode == "whole"
+    assert decode.compile_engine(deep, "cpu").mode == "regional"
+    assert decode.compile_engine(shallow, "cpu").mode == "whole"
 
 
 @MODES
@@ -116,6 +117,7 @@ def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target
     assert counters["inductor"]["select_algorithm_autotune"] == 0  # and nothing was timed: one choice each
 
 
+@pytest.mark.slow
 def test_autotuned_engine_equals_eager(random_target):
     """--compile autotune: the whole graph with inductor's autotuned GEMM kernels decodes the eager tokens; the
     choice of kernels is inductor's alone (compiled graphs do not use the oneDNN-packed copies, model.Linear)."""

@@ -140,6 +140,7 @@ def test_top_k_then_top_p_is_the_sorted_nucleus(top_k, top_p):
     assert torch.allclose(got.double()[clear], x.masked_fill(~want, -float("inf")).softmax(-1)[clear], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compiled_equals_eager_without_recompiling(random_target):
     from torch._dynamo.utils import counters
     prompts = [torch.tensor(p) for p in ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4], [1, 30, 31, 32, 33, 34])]
@@ -194,6 +195,7 @@ def test_clear_errors(random_target, tmp_path):
     assert "unknown model" in error_of("--checkpoint_path", str(unknown / "model.pth"))
 
 
+@pytest.mark.slow
 def test_cli_error_is_one_line(tmp_path):
     result = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(tmp_path / "missing.pth")],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -202,6 +204,7 @@ def test_cli_error_is_one_line(tmp_path):
     assert result.stderr.startswith("error: checkpoint not found")
 
 
+@pytest.mark.slow
 def test_interactive_streams_answers(random_target):
     result = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(random_target), "--interactive",
                              "--max_new_tokens", "6", "--temperature", "0", "--ignore_eos"],
@@ -223,7 +226,7 @@ def test_profile_writes_a_trace(random_target, tmp_path):
 BATCH = ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4, 60, 61, 62], [1, 30, 31, 32, 33, 34], [1, 250])
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_rows_of_different_prompts_equal_each_prompt_alone(random_target, compiled):
     """Four prompts of different lengths decoded together (right-padded prefill, per-row positions): each row
     is the prompt's own greedy continuation, including a row that stops at EOS early; a second batch of other

@@ -303,6 +303,7 @@ def test_unsupported_rope_freqs(tmp_path, bpe_vocab):
     assert_fails(tmp_path, path, "rope_freqs")
 
 
+@pytest.mark.slow
 def test_cli_prints_one_line(tmp_path):
     (tmp_path / "notes.gguf").write_text("not a model\n")
     script = Path(convert.__file__)

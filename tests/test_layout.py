@@ -1,6 +1,6 @@
 """The layout: imports flow one way, errors, kernels <- model <- tokenizer, quantize, tp <- decode <- speculate <-
-draftmodel, crossdraft <- generation (the library) <- generate.py (the command line) <- nothing: scripts and tests import
-the library, never the command line."""
+draftmodel, crossdraft <- generation (the library) <- generate.py (the command line) <- nothing: scripts and tests
+import the library, never the command line."""
 import ast
 import subprocess
 import sys
@@ -40,7 +40,8 @@ def test_nothing_imports_the_command_line():
     """Scripts, tests and the library import generation.py; generate.py is only ever run (tests of the command line
     load its file and call its main, as `python generate.py` would)."""
     files = [p for p in list(ROOT.glob("*.py")) + list(ROOT.glob("scripts/*.py")) + list(ROOT.glob("tests/*.py"))]
-    importers = [str(p.relative_to(ROOT)) for p in files if p.name != "generate.py" and "generate" in top_level_imports(p)]
+    importers = [str(p.relative_to(ROOT)) for p in files
+                 if p.name != "generate.py" and "generate" in top_level_imports(p)]
     assert not importers, f"{importers} import generate.py: import generation instead"
 
 

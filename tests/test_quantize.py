@@ -294,6 +294,7 @@ def test_clear_errors(target, draft, tmp_path):
     assert not list(target.parent.glob(".*.tmp"))  # written atomically: no temporary file left
 
 
+@pytest.mark.slow
 def test_cli_writes_the_file_and_errors_are_one_line(draft):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ok = subprocess.run([sys.executable, "quantize.py", "--checkpoint_path", str(draft), "--mode", "int4",

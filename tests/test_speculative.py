@@ -14,10 +14,10 @@ import torch
 import draftmodel
 import speculate
 from decode import Sampling, logits_to_probs, sample_from
-from helpers import (DRAWS, PROMPTS, REJECT_BELOW, copy_checkpoint, lossless_pvalues, plain_greedy, run,
-                     speculative, tokens, write_checkpoint)
 from errors import UserError
-from helpers import cli
+from helpers import (DRAWS, PROMPTS, REJECT_BELOW, cli, copy_checkpoint, lossless_pvalues, plain_greedy, run,
+                     speculative, tokens, write_checkpoint)
+
 
 @pytest.fixture(scope="module")
 def near_draft(random_target, tmp_path_factory):
@@ -90,6 +90,7 @@ def test_speculate_k_auto(random_target, near_draft, trained_pair):
     assert max(i for i, c in enumerate(runs["self"]["accept_counts"]) if c) > 2
 
 
+@pytest.mark.slow
 def test_compiled_greedy_identical(random_target, near_draft):
     torch._dynamo.reset()
     got = speculative(random_target, near_draft, 3, "--ignore_eos", "--compile", n=12)
@@ -153,8 +154,8 @@ def test_clear_errors(random_target, random_draft, tmp_path, tokenizer_model):
 # ----------------------------------------------------------------------------- sampling is lossless
 #
 # Speculative sampling must leave the output distributed exactly as the target's (Leviathan et al. 2023,
-# Chen et al. 2023). The test: a fixed prefix, the real speculative loop (TreeSpeculator.generate with a
-# DraftModelSpeculator, depth 2) run 20,000 times for the next two tokens (250 rows of a batch at a time, each
+# Chen et al. 2023). The test: a fixed prefix, the real speculative loop (speculate.Speculator.generate with a
+# draftmodel.ModelDrafter, depth 2) run 20,000 times for the next two tokens (250 rows of a batch at a time, each
 # row an independent draw), and Pearson's chi-square test of
 # the first token, the second token and the pair against the target's distribution computed by
 # enumeration. The same test run with a deliberately wrong rejection rule must reject it.
@@ -197,6 +198,7 @@ LOSSLESS_CASES = {  # name: (sampling, what to break or None)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", LOSSLESS_CASES)
 def test_sampling_is_lossless(case, monkeypatch):
     sampling, breakage = LOSSLESS_CASES[case]
@@ -209,3 +211,15 @@ def test_sampling_is_lossless(case, monkeypatch):
         assert accept_counts[0] > 0.1 * DRAWS and accept_counts[2] > 0.1 * DRAWS  # rejections and full accepts
     else:
         assert min(pvalues.values()) < REJECT_BELOW, pvalues
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["lossless", "broken: residual ignores the draft"])
+def test_small_chi_square_separates_lossless_from_broken(broken, monkeypatch):
+    """The quick loop's chi-square: fewer draws, the same verdicts (the full tables above are marked slow)."""
+    if broken:
+        monkeypatch.setattr(speculate, "residual", residual_ignores_draft)
+    pvalues, _ = lossless_pvalues(2, T1, draws=SMALL_DRAWS)
+    assert (min(pvalues.values()) < REJECT_BELOW) == broken, pvalues
+
+
+SMALL_DRAWS = 3_000

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, copy_checkpoint, write_checkpoint
-from helpers import cli
+from helpers import cli, copy_checkpoint, write_checkpoint, ROOT
+
+pytestmark = pytest.mark.slow  # torchrun / training: minutes
 
 PROMPT = "def main(): return main() if main else main(main(main("
 

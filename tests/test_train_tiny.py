@@ -1,11 +1,13 @@
 """scripts/train_tiny.py: the offline pair is complete, loadable, deterministic and reports its figures."""
 import json
 
+import pytest
 import torch
 
 import generation
-from helpers import ROOT
-from helpers import cli
+from helpers import cli, ROOT
+
+pytestmark = pytest.mark.slow  # trains the tiny pair
 
 
 def test_pair_layout_and_stats(trained_pair):

@@ -232,10 +232,11 @@ def test_draft_reads_accepted_lookup_tokens_before_its_next_step(random_draft):
 # ----------------------------------------------------------------------------- greedy: token identity
 
 @pytest.mark.parametrize("draft,k,nodes", [("near", 4, 10), ("near", 3, 16), ("near", 2, 5), ("near", 8, 24),
-                                           ("self", 3, 16), ("random", 4, 10), ("trained", 4, 10)])
-def test_greedy_tree_identical_to_plain_decoding(random_target, near_draft, random_draft, trained_pair, draft, k,
-                                                 nodes):
+                                           ("self", 3, 16), ("random", 4, 10),
+                                           pytest.param("trained", 4, 10, marks=pytest.mark.slow)])
+def test_greedy_tree_identical_to_plain_decoding(random_target, near_draft, random_draft, request, draft, k, nodes):
     if draft == "trained":
+        trained_pair = request.getfixturevalue("trained_pair")
         target, path = trained_pair / "target/model.pth", trained_pair / "draft/model.pth"
     else:
         target, path = random_target, {"near": near_draft, "self": random_target, "random": random_draft}[draft]
@@ -265,12 +266,14 @@ def test_greedy_tree_stops_exactly(random_target, near_draft, tmp_path):
 REPEATING = "def f(x):\n    return x\n\n" * 3 + "def f("
 
 
-@pytest.mark.parametrize("draft,k,nodes,prompt", [("trained", 4, 10, PROMPTS[0]), ("random", 5, 16, REPEATING),
-                                                  ("near", 3, 9, REPEATING)])
-def test_greedy_merged_tree_identical_to_plain_decoding(random_target, near_draft, random_draft, trained_pair,
+@pytest.mark.parametrize("draft,k,nodes,prompt", [
+    pytest.param("trained", 4, 10, PROMPTS[0], marks=pytest.mark.slow), ("random", 5, 16, REPEATING),
+    ("near", 3, 9, REPEATING)])
+def test_greedy_merged_tree_identical_to_plain_decoding(random_target, near_draft, random_draft, request,
                                                         draft, k, nodes, prompt):
     """The draft model's tree with the n-gram lookup's branches merged in gives the plain greedy tokens."""
     if draft == "trained":
+        trained_pair = request.getfixturevalue("trained_pair")
         target, path = trained_pair / "target/model.pth", trained_pair / "draft/model.pth"
     else:
         target, path = random_target, {"near": near_draft, "random": random_draft}[draft]
@@ -375,6 +378,7 @@ TREE_CASES = {  # name: (sampling, n-gram n, (what to break, broken function) or
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TREE_CASES)
 def test_sampled_tree_is_lossless(case, monkeypatch):
     sampling, ngram, breakage, draft = TREE_CASES[case]
@@ -404,3 +408,12 @@ def test_sampled_tree_is_lossless(case, monkeypatch):
         assert (seen["looked-up child tried"] > 0.5 * DRAWS) == (ngram > 0), seen  # the lookup's branch was in the tree
     else:
         assert min(pvalues.values()) < REJECT_BELOW, pvalues
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["lossless", "broken: siblings drawn with replacement"])
+def test_small_chi_square_of_a_sampled_tree(broken, monkeypatch):
+    """The quick loop's chi-square of a sampled tree (the full table above is marked slow)."""
+    if broken:
+        monkeypatch.setattr(draftmodel, "sampled_candidates", drawn_with_replacement)
+    pvalues, _ = lossless_pvalues(6, T1, draft=FAR_DRAFT, draws=3_000)
+    assert (min(pvalues.values()) < REJECT_BELOW) == broken, pvalues
