@@ -242,7 +242,6 @@ class ModelDrafter:
         self.device = self.draft_model.tok_embeddings.weight.device
         self.lookup = Lookup(ngram) if ngram else None  # n-gram branches merged into the tree
         self.lookups = []  # one per row, sharing self.lookup's earlier samples
-        self.kind = "draft" if tree_nodes == depth else "tree"  # for the stats
         self.width = 1 if tree_nodes == depth else min(8, max(MIN_TREE_WIDTH, math.ceil(tree_nodes / depth)))
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         forward = engine.forward  # a regional engine's shared compiled block
@@ -253,6 +252,11 @@ class ModelDrafter:
         self.grow_tree = functools.partial(draft_tree, root, step) if root and self.width > 1 and not ngram else None
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
         self.pending = []  # per row: accepted tokens not yet in the draft's cache
+
+    @property
+    def kind(self) -> str:
+        """For the stats: a chain ("draft") or a token tree."""
+        return "draft" if self.width == 1 else "tree"
 
     def start(self, prompts: list, max_seq_length: int) -> int:
         device = self.draft_model.tok_embeddings.weight.device

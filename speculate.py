@@ -3,9 +3,9 @@
 Every step drafts a token tree rooted at the current token, scores all of its nodes in ONE target
 forward (tree attention: positions = prefix length + depth, each node sees the prefix and its own
 ancestors), accepts a root-to-node path plus one token from the target, and moves the accepted
-path's keys/values to contiguous cache slots. A chain (--tree_nodes == --speculate_k) is the tree
-with one child per node; the n-gram drafter feeds the same verifier. The draft model's drafter lives in
-draftmodel.py, the drafter with another tokenizer in crossdraft.py.
+path's keys/values to contiguous cache slots (Speculator: draft -> verify -> accept). A chain (tree_nodes ==
+speculate_k) is the tree with one child per node; every Drafter (the n-gram lookup here, the draft model in
+draftmodel.py) feeds the same verifier. A draft with another tokenizer has a loop of its own (crossdraft.py).
 """
 import time
 from dataclasses import dataclass, field
@@ -107,7 +107,7 @@ def verify(tree: Tree, target_probs: Tensor):
     last sibling back, what follows a rejection of x_i outputs exactly p_{i+1}, so the node outputs
     exactly p. This needs only that x_i is distributed as q_i given everything that decided x_i is in
     the tree: the drafter keeps a prefix of each node's draws, and decides it without looking at them
-    (draftmodel.DraftModelSpeculator.select). A deterministic child has a point-mass proposal: accepted with
+    (draftmodel.ModelDrafter.select). A deterministic child has a point-mass proposal: accepted with
     probability p_i(x), residual p_i without x. At temperature 0 p is one-hot: exact argmax matching."""
     kids = tree.children()
     node, path = 0, []
