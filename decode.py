@@ -19,11 +19,20 @@ from model import Transformer
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# Temperatures below this sample as greedy decoding: dividing logits by a tinier one overflows to inf / NaN, and the
+# distribution it approximates is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0  # 0 means exact argmax
     top_k: Optional[int] = None
     top_p: Optional[float] = None
+
+    def __post_init__(self):
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -1,5 +1,6 @@
 """Errors a user can fix, and the file handling every command shares: one line per mistake, checkpoints read
 without running code, files written whole or not at all."""
+import errno
 import os
 import re
 import signal
@@ -25,14 +26,18 @@ def run_cli(main, explain=None, finish=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         main()
+        sys.stdout.flush()
         error, status = None, 0
     except UserError as e:
         error, status = f"error: {flag_names(str(e), {})}", 1
     except KeyboardInterrupt:
         error, status = "error: interrupted", 130
+    except BrokenPipeError:  # the reader of stdout went away (`... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:
-        error = explain(e) if explain else None
-        if error is None:
+        error = (explain(e) if explain else None) or expected_failure(e)
+        if error is None or os.environ.get("FASTGEN_TRACEBACK"):
             raise
         status = 1
     if finish is not None:
@@ -40,6 +45,22 @@ def run_cli(main, explain=None, finish=None) -> int:
     if error:
         print(error, file=sys.stderr)
     return status
+
+
+def expected_failure(e: Exception):
+    """The one line for a failure of the machine rather than of the code: a file system error (permission, full
+    disk, name too long, not a directory), memory running out, JSON nested too deeply; None for anything else
+    (a bug: its traceback is shown). FASTGEN_TRACEBACK=1 shows the traceback of these too."""
+    if isinstance(e, OSError) and e.errno is not None:
+        where = f": {e.filename}" if e.filename else ""
+        return f"error: {e.strerror or errno.errorcode.get(e.errno, e)}{where}: fix the path or its permissions, or " \
+               f"free some space"
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "alloc" in str(e).lower()
+                                      and ("memory" in str(e).lower() or "bytes" in str(e).lower())):
+        return "error: out of memory: lower batch_size, max_new_tokens or the model's size"
+    if isinstance(e, RecursionError):
+        return "error: an input nests too deeply to read (a JSON file?): re-download or fix it"
+    return None
 
 
 def flag_names(message: str, flags: dict) -> str:

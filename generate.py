@@ -125,7 +125,10 @@ def read_line(question: str) -> str:
     """input(), with a closed stdin (no file descriptor 0 at all) read as the end of the input."""
     if sys.stdin is None:
         raise EOFError
-    return input(question)
+    try:
+        return input(question)
+    except UnicodeDecodeError:
+        raise UserError("standard input is not UTF-8 text: pass the questions in UTF-8") from None
 
 
 def lost_peer(e: Exception):

@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,13 +277,18 @@ def encode_prompt(prompt: str, tokenizer, vocab_size: int, seed: int, chat: bool
     tokens and N random ids."""
     if chat:
         return tokenizer.chat_ids([{"role": "user", "content": prompt}])
-    if prompt.strip().isdigit():
+    if is_synthetic(prompt):
         n = int(prompt)
         if n > 10**7:
             raise UserError(f"`prompt` {n}: a synthetic prompt of more than 10^7 tokens fits no model's context")
         generator = torch.Generator().manual_seed(seed)
         return tokenizer.encode_prompt("") + torch.randint(3, vocab_size, (n,), generator=generator).tolist()
     return tokenizer.encode_prompt(prompt)
+
+
+def is_synthetic(prompt: str) -> bool:
+    """A prompt of ASCII digits only ("100") asks for that many synthetic tokens ("²" is a digit to str.isdigit)."""
+    return re.fullmatch(r"\s*[0-9]+\s*", prompt) is not None
 
 
 def check_fits(prompt_tokens: int, max_new_tokens: int, block_size: int):
@@ -363,16 +369,9 @@ class Settings:
             self.prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise UserError("`prompt` is not valid UTF-8 text: pass the prompt in UTF-8") from None
-        if self.compile not in COMPILE_MODES:
-            raise UserError(f"`compile` must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.compile_prefill and self.compile == "none":
             raise UserError("`compile_prefill` compiles the prefill beside the decode graph: add `compile`")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise UserError(f"`precision` must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise UserError(f"`device` {self.device}: use cpu or cuda (cuda:N)")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError("`device` cuda asked for, but torch sees no CUDA device; use `device` cpu")
+        check_engine_settings(self.compile, self.precision, self.device)
         for name in ("stats_json", "profile"):
             if getattr(self, name) is not None:
                 check_output_file(Path(getattr(self, name)), name)
@@ -381,6 +380,18 @@ class Settings:
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision or ("bf16" if self.device.startswith("cuda") else "fp32")]
+
+
+def check_engine_settings(compile: str, precision: Optional[str], device: str):
+    """The compile mode, precision and device of any command that builds an engine."""
+    if compile not in COMPILE_MODES:
+        raise UserError(f"`compile` must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise UserError(f"`precision` must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"`device` {device}: use cpu or cuda (cuda:N)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("`device` cuda asked for, but torch sees no CUDA device; use `device` cpu")
 
 
 def setup_distributed(device: str):
@@ -422,6 +433,8 @@ def run(settings: Settings, say=print, questions=None) -> dict:
         ids = [generator.encode(text, settings.chat, settings.seed) for text in texts]
         batches = [ids[i:i + settings.batch_size] for i in range(0, len(ids), settings.batch_size)]
         prompt_ids = max(ids, key=len)
+    if not prompt_ids or (batches and not all(map(len, ids))):
+        raise UserError("the `prompt` is empty and this tokenizer adds no BOS token: give a prompt with text")
     check_fits(len(prompt_ids), settings.max_new_tokens, model.args.block_size)
     quantization = f" (quantization: {model.quantization['mode']})" if model.quantization else ""
     say(f"Loaded {settings.checkpoint_path} in {load_seconds:.2f} s{quantization}"
@@ -456,7 +469,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
             last = i == settings.num_samples - 1
             new, stats, seconds = timed(prompt_ids, profile=settings.profile is not None and last and rank == 0)
             samples.append(sample_record(new, seconds, generator.tokenizer))
-            synthetic = settings.prompt.strip().isdigit() or settings.chat
+            synthetic = is_synthetic(settings.prompt) or settings.chat
             say((generator.tokenizer.decode(prompt_ids) if synthetic else settings.prompt) + samples[-1]["text"])
             say(f"\nSample {i + 1}: " + report(samples[-1], model, settings.batch_size))
             if generator.speculator is not None:

@@ -141,7 +141,7 @@ class ModelArgs:
         if config.is_file():
             try:
                 cfg = json.loads(config.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
                 raise UserError(f"cannot read {config} ({e}): re-download or re-convert the checkpoint") from None
             return cls.from_hf_config(cfg, source=config)
         return cls.from_name(directory.name)

@@ -249,7 +249,7 @@ def read_config(directory: Path) -> dict:
         if path.is_file():
             try:
                 data = json.loads(read_text(path))
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise UserError(f"cannot read tokenizer: {path}: {e}: re-download it") from None
             if not isinstance(data, dict):
                 raise UserError(f"cannot read tokenizer: {path}: not a JSON object: re-download it")

@@ -129,6 +129,15 @@ class TableModel:
                     self.rows[tuple(prompt + [FIRST] + tail[:k])] = row.clone()
         self.tok_embeddings = SimpleNamespace(weight=torch.empty(0))  # the speculator reads its .device
         self.max_batch_size, self.max_seq_length = 0, -1
+        self.index_rows()
+
+    def index_rows(self):
+        """The table as tensors, so that a forward looks every query up at once: sorted context keys and their
+        logits (context_keys() numbers a context of at most MAX_KEYED tokens uniquely)."""
+        contexts = [c for c in self.rows if len(c) <= MAX_KEYED]
+        keys = torch.tensor([sum((t + 1) * (VOCAB + 1) ** i for i, t in enumerate(c)) for c in contexts])
+        self.keys, order = torch.sort(keys)
+        self.table = torch.stack([self.rows[contexts[i]] for i in order.tolist()])  # [contexts, V]
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         if max_batch_size <= self.max_batch_size and max_seq_length <= self.max_seq_length:
@@ -161,9 +170,27 @@ class TableModel:
         # each query's context: its visible slots' tokens, moved to the front in slot order (a stable sort)
         order = torch.sort((~seen).long(), dim=-1, stable=True).indices  # [B, T, S]
         tokens = written[..., 0].unsqueeze(1).expand_as(seen).gather(-1, order)  # [B, T, S]
-        lengths = seen.sum(-1).flatten().tolist()  # [B * T]
-        rows = [self.logits(tuple(row[:n])) for row, n in zip(tokens.flatten(0, 1).tolist(), lengths)]
-        return torch.stack(rows).view(batch, width, -1)  # [B, T, V]
+        lengths = seen.sum(-1).flatten()  # [B * T]
+        tokens = tokens.flatten(0, 1)  # [B * T, S]
+        found, rows = context_keys(tokens, lengths, self.keys)
+        out = self.table[rows.clamp(max=len(self.keys) - 1)]  # [B * T, V]
+        for i in (~found).nonzero().flatten().tolist():  # contexts outside the table: the real model's logits
+            out[i] = self.logits(tuple(tokens[i, :lengths[i]].tolist()))
+        return out.view(batch, width, -1)  # [B, T, V]
+
+
+MAX_KEYED = 12  # (VOCAB + 1) ** 12 < 2 ** 63: a context of at most 12 tokens has a unique int64 key
+
+
+def context_keys(tokens, lengths, keys):
+    """For each row of tokens [N, S] (its first lengths[n] tokens the context): whether its context is in the sorted
+    keys, and where ([N] bool, [N] long)."""
+    places = torch.arange(tokens.shape[1])
+    powers = torch.where(places < MAX_KEYED, (VOCAB + 1) ** places.clamp(max=MAX_KEYED - 1), 0)  # [S]
+    inside = places < lengths.unsqueeze(1)  # [N, S]
+    key = ((tokens + 1) * inside * powers).sum(-1)  # [N]
+    at = torch.searchsorted(keys, key).clamp(max=len(keys) - 1)
+    return (keys[at] == key) & (lengths <= MAX_KEYED), at
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import decode
+import errors
 import generation
-from helpers import REJECT_BELOW, ROOT, chi_square_pvalue, write_checkpoint
 from errors import UserError
-from helpers import cli
+from helpers import REJECT_BELOW, ROOT, chi_square_pvalue, cli, write_checkpoint
 
 DESIGN_FIELDS = {"device", "precision", "compile", "speculative", "prompt_tokens", "samples", "tokens_per_sec",
                  "bandwidth_gbs", "model_bytes", "compile_seconds"}
@@ -263,3 +263,46 @@ def test_prompts_file_rows_in_stats_json(random_target, tmp_path):
         alone = run(random_target, "--ignore_eos", prompt=row["prompt"], n=8)
         assert row["tokens"] == alone["samples"][0]["tokens"] and row["prompt_tokens"] == alone["prompt_tokens"]
     assert len(stats["samples"]) == 2 and stats["samples"][0]["rows"] == 2
+
+
+# ----------------------------------------------------------------------------- failures of the machine, odd inputs
+
+def test_a_tiny_temperature_decodes_greedily(random_target):
+    """Below decode.MIN_TEMPERATURE the division would overflow to inf / NaN: such a temperature is greedy."""
+    assert decode.Sampling(1e-300).temperature == 0 and decode.Sampling(0.5).temperature == 0.5
+    greedy = run(random_target, "--ignore_eos", n=8)["samples"][0]["tokens"]
+    for extra in ([], ["--draft_ngram", "2", "--speculate_k", "3"]):
+        tiny = run(random_target, "--ignore_eos", "--temperature", "1e-300", *extra, n=8)
+        assert tiny["samples"][0]["tokens"] == greedy
+
+
+def test_only_ascii_digits_make_a_synthetic_prompt(random_target):
+    assert generation.is_synthetic(" 12 ") and not generation.is_synthetic("²") and not generation.is_synthetic("1a")
+    stats = run(random_target, "--ignore_eos", prompt="²", n=2)
+    assert len(stats["prompt_tokens"]) < 5  # the text "²", not two synthetic tokens or a crash
+
+
+def test_failures_of_the_machine_are_one_line():
+    """OSError by errno, memory and nesting depth: one line each; anything else is a bug and keeps its traceback."""
+    line = errors.expected_failure(PermissionError(13, "Permission denied", "/somewhere/stats.json"))
+    assert line.startswith("error: Permission denied: /somewhere/stats.json")
+    assert errors.expected_failure(OSError(28, "No space left on device")).startswith("error: No space left")
+    assert "out of memory" in errors.expected_failure(MemoryError())
+    assert "out of memory" in errors.expected_failure(RuntimeError("DefaultCPUAllocator: can't allocate memory: you "
+                                                                    "tried to allocate 10 bytes"))
+    assert "nests too deeply" in errors.expected_failure(RecursionError())
+    assert errors.expected_failure(ValueError("a bug")) is None
+
+    def fails():
+        raise PermissionError(13, "Permission denied", "/x")
+    assert errors.run_cli(fails) == 1
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_ends_quietly(random_target):
+    """`generate.py ... | head -1`: the reader goes away; no BrokenPipeError traceback."""
+    command = (f"{sys.executable} generate.py --checkpoint_path {random_target} --num_samples 3 --max_new_tokens 40 "
+               f"--ignore_eos | head -c 1")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=ROOT, capture_output=True, text=True)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+    assert result.returncode in (0, 141)
