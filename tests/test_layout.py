@@ -9,8 +9,9 @@ from helpers import ROOT
 
 # each imports only earlier ones
 ORDER = ["errors", "kernels", "model", "tokenizer", "quantize", "tp", "decode", "speculate", "draftmodel",
-         "crossdraft", "generation", "generate"]
-LIBRARY = ORDER[:-1]
+         "crossdraft", "generation", "generate", "serve", "eval"]
+LIBRARY = ORDER[:ORDER.index("generation") + 1]
+ENTRY_POINTS = ORDER[len(LIBRARY):]  # run, never imported
 
 
 def top_level_imports(path) -> set:
@@ -36,13 +37,15 @@ def test_imports_flow_one_way():
         assert not later, f"{name}.py imports {sorted(later)}, which come after it (or itself)"
 
 
-def test_nothing_imports_the_command_line():
-    """Scripts, tests and the library import generation.py; generate.py is only ever run (tests of the command line
-    load its file and call its main, as `python generate.py` would)."""
+def test_nothing_imports_the_command_lines():
+    """Scripts, tests and the library import generation.py; generate.py, serve.py and eval.py are only ever run
+    (tests of a command line load its file, or import only what it defines beside main, as eval's tests do)."""
     files = [p for p in list(ROOT.glob("*.py")) + list(ROOT.glob("scripts/*.py")) + list(ROOT.glob("tests/*.py"))]
-    importers = [str(p.relative_to(ROOT)) for p in files
-                 if p.name != "generate.py" and "generate" in top_level_imports(p)]
-    assert not importers, f"{importers} import generate.py: import generation instead"
+    importers = [str(p.relative_to(ROOT)) for p in files if not p.name.startswith("test_")
+                 and (top_level_imports(p) & set(ENTRY_POINTS)) - {p.stem}]
+    assert not importers, f"{importers} import a command line: import generation instead"
+    tests = [str(p.relative_to(ROOT)) for p in ROOT.glob("tests/*.py") if "generate" in top_level_imports(p)]
+    assert not tests, f"{tests} import generate.py: load it with helpers.load_cli, or test the library"
 
 
 def test_model_file_holds_only_the_model():

@@ -1,0 +1,858 @@
+"""An OpenAI-compatible server over generation.py: continuous batching, speculative decoding for a lone request, a
+chat page. docs/serve.md explains the design.
+
+    python serve.py --checkpoint_path checkpoints/tiny/target/model.pth --max_batch_size 8
+    curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+Where a token comes from: the HTTP handlers check a request and queue it; one scheduler thread owns the model. At
+each step boundary it gives waiting requests free rows of a fixed batch, then runs ONE forward over all rows
+(Scheduler.step): [B, 1] when every row decodes, [B, chunk] while some row still reads its prompt (that row
+gets its next chunk, a decoding row its one token). Padding and idle rows write only a scratch cache slot past
+every real position, which no real query sees. Each row's token is drawn from its own logits with its own settings
+and torch.Generator. A request alone in the batch (with a drafter configured) decodes through the library's
+speculative loop instead (Scheduler.speculate).
+"""
+import argparse
+import asyncio
+import collections
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import re
+import secrets
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from decode import COMPILE_MODES, PRECISIONS, Sampling, configure_compiler, logits_to_probs, sdpa_context
+from errors import UserError
+from generation import Generator, Speculation
+
+log = logging.getLogger("serve")
+STATIC = Path(__file__).resolve().parent / "static"
+# prompt tokens a prefill step reads over the whole batch: a row's chunk is PREFILL_TOKENS // B (at least
+# MIN_CHUNK), so a long prompt stalls the decoding rows for one chunk-sized forward at a time (docs/serve.md)
+PREFILL_TOKENS, MIN_CHUNK = 128, 16
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ----------------------------------------------------------------------------- a request: its settings, tokens, text
+
+@dataclass
+class Request:
+    """One completion. The scheduler thread appends its tokens and text; `push` hands events to the HTTP side:
+    ("text", str), ("done", finish_reason), ("error", ApiError)."""
+    prompt_ids: list
+    max_tokens: int
+    sampling: Sampling
+    seed: Optional[int] = None
+    stop: list = field(default_factory=list)
+    push: callable = lambda event: None
+    tokens: list = field(default_factory=list)  # generated ids, an end-of-sequence id included
+    text: str = ""  # the text emitted so far
+    prefilled: int = 0  # prompt tokens in the cache
+    slot: Optional[int] = None
+    cancelled: bool = False
+    finish_reason: Optional[str] = None
+    error: Optional[ApiError] = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    spec_tokens: int = 0  # tokens made by speculative steps, and the target forwards they took
+    spec_forwards: int = 0
+
+    def __post_init__(self):
+        # each request draws from its own generator, so a seeded one samples the same alone or in any batch
+        self.generator = torch.Generator().manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+
+    @property
+    def position(self) -> int:
+        """The cache slot (and RoPE position) of the current token: the last generated one, not yet cached."""
+        return len(self.prompt_ids) + len(self.tokens) - 1
+
+    def stats(self) -> dict:
+        """Per-answer figures (the chat page shows them): decode tokens/s after the first token, time to it."""
+        end = self.finished_at or time.perf_counter()
+        ttft = (self.first_token_at or end) - self.submitted
+        decode_seconds = end - (self.first_token_at or end)
+        out = {"time_to_first_token": round(ttft, 4), "completion_tokens": len(self.tokens),
+               "tokens_per_second": round((len(self.tokens) - 1) / decode_seconds, 2) if decode_seconds > 0 else None}
+        if self.spec_forwards:
+            out["tokens_per_target_forward"] = round(self.spec_tokens / self.spec_forwards, 3)
+        return out
+
+
+def stable_text(text: str) -> str:
+    """Text that may be shown: never cut inside a UTF-8 character (an incomplete one decodes to U+FFFD)."""
+    return text.rstrip("\ufffd")
+
+
+def add_token(r: Request, token: int, tokenizer, eos: set, byte_ids: frozenset = frozenset()) -> bool:
+    """The scheduler's one entry for a new token of r: stops at end of sequence, a stop string or max_tokens,
+    emits the text that can no longer change. Returns whether r is finished.
+    Text that may still change is held back: an incomplete UTF-8 character (it decodes to U+FFFD), a trailing run
+    of byte tokens (`byte_ids`, sentencepiece's <0xNN>: the decoder replaces a whole invalid run by U+FFFDs, so the
+    run's text is final only once another token follows), and a possible start of a stop string."""
+    r.tokens.append(token)
+    ids = [t for t in r.tokens if t not in eos]
+    ended, length = token in eos, len(r.tokens) >= r.max_tokens
+    while not (ended or length) and ids and ids[-1] in byte_ids:
+        ids.pop()
+    text = tokenizer.decode(ids)
+    for stop in r.stop:
+        at = text.find(stop, max(0, len(r.text) - len(stop) + 1))
+        if at >= 0:
+            text, ended = text[:at], True
+    if ended or length:
+        emit(r, stable_text(text))
+        r.finish_reason = "stop" if ended else "length"
+        return True
+    if text.endswith("\ufffd"):
+        return False
+    held = max((k for stop in r.stop for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    emit(r, text[:len(text) - held])
+    return False
+
+
+def byte_tokens(tokenizer) -> frozenset:
+    """Ids of byte-fallback pieces (<0xNN>), whose decoded text depends on the byte tokens that follow."""
+    processor = tokenizer.processor
+    return frozenset(i for i in range(processor.get_vocab_size())
+                     if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", processor.id_to_token(i) or ""))
+
+
+def emit(r: Request, text: str):
+    if len(text) > len(r.text) and text.startswith(r.text):
+        r.push(("text", text[len(r.text):]))
+        r.text = text
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs [V] by inverse CDF as decode.sample_from draws it, its uniform from the request's own
+    generator."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[-1:]
+    u = torch.rand(1, dtype=torch.double, generator=generator).to(probs.device)
+    below = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return int(torch.searchsorted(cdf, below, right=True).clamp_max(probs.shape[-1] - 1))
+
+
+# ----------------------------------------------------------------------------- metrics
+
+class Metrics:
+    """Counters and gauges for GET /metrics (Prometheus text format), updated by the scheduler thread."""
+    TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+    WINDOW = 10.0  # seconds over which tokens/s is measured
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.outcomes = collections.Counter()
+        self.tokens = self.prompt_tokens = self.steps = self.rows_stepped = 0
+        self.spec_tokens = self.spec_forwards = 0
+        self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1)
+        self.ttft_sum = 0.0
+        self.recent = collections.deque()  # (time, tokens) of the last WINDOW seconds
+        self.active = self.queued = 0
+
+    def produced(self, n: int):
+        now = time.perf_counter()
+        self.tokens += n
+        self.recent.append((now, n))
+        while self.recent and self.recent[0][0] < now - self.WINDOW:
+            self.recent.popleft()
+
+    def first_token(self, seconds: float):
+        self.ttft_sum += seconds
+        self.ttft[next((i for i, b in enumerate(self.TTFT_BUCKETS) if seconds <= b), len(self.TTFT_BUCKETS))] += 1
+
+    def text(self) -> str:
+        now = time.perf_counter()
+        recent = sum(n for t, n in self.recent if t >= now - self.WINDOW)
+        lines = ["# TYPE fastgen_requests_total counter"]
+        for outcome in ("stop", "length", "cancelled", "error", "rejected"):
+            lines.append(f'fastgen_requests_total{{outcome="{outcome}"}} {self.outcomes[outcome]}')
+        lines += ["# TYPE fastgen_generated_tokens_total counter", f"fastgen_generated_tokens_total {self.tokens}",
+                  "# TYPE fastgen_prompt_tokens_total counter", f"fastgen_prompt_tokens_total {self.prompt_tokens}",
+                  f"# HELP fastgen_tokens_per_second generated tokens per second over the last {self.WINDOW:g} s",
+                  "# TYPE fastgen_tokens_per_second gauge", f"fastgen_tokens_per_second {recent / self.WINDOW:.3f}",
+                  "# TYPE fastgen_time_to_first_token_seconds histogram"]
+        cumulative = 0
+        for bound, count in zip(list(self.TTFT_BUCKETS) + ["+Inf"], self.ttft):
+            cumulative += count
+            lines.append(f'fastgen_time_to_first_token_seconds_bucket{{le="{bound}"}} {cumulative}')
+        lines += [f"fastgen_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
+                  f"fastgen_time_to_first_token_seconds_count {cumulative}",
+                  "# HELP fastgen_speculative_tokens_total tokens made by speculative steps (a lone request)",
+                  "# TYPE fastgen_speculative_tokens_total counter",
+                  f"fastgen_speculative_tokens_total {self.spec_tokens}",
+                  "# TYPE fastgen_speculative_target_forwards_total counter",
+                  f"fastgen_speculative_target_forwards_total {self.spec_forwards}",
+                  "# HELP fastgen_speculative_tokens_per_forward accepted draft tokens + 1, per target forward",
+                  "# TYPE fastgen_speculative_tokens_per_forward gauge",
+                  f"fastgen_speculative_tokens_per_forward {self.spec_tokens / max(self.spec_forwards, 1):.4f}",
+                  "# TYPE fastgen_batch_slots gauge", f"fastgen_batch_slots {self.slots}",
+                  "# TYPE fastgen_batch_rows_active gauge", f"fastgen_batch_rows_active {self.active}",
+                  "# HELP fastgen_batch_occupancy mean fraction of the batch's rows in use per batched step",
+                  "# TYPE fastgen_batch_occupancy gauge",
+                  f"fastgen_batch_occupancy {self.rows_stepped / max(self.steps, 1) / self.slots:.4f}",
+                  "# TYPE fastgen_batched_steps_total counter", f"fastgen_batched_steps_total {self.steps}",
+                  "# TYPE fastgen_queue_depth gauge", f"fastgen_queue_depth {self.queued}",
+                  "# HELP fastgen_compiled_graphs graphs torch.compile built in this process (constant after warm-up)",
+                  "# TYPE fastgen_compiled_graphs gauge", f"fastgen_compiled_graphs {compiled_graphs()}"]
+        return "\n".join(lines) + "\n"
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+# ----------------------------------------------------------------------------- the scheduler: one thread owns the model
+
+class Yield(Exception):
+    """Raised from the token callback to end a speculative run early (the request finished or was cancelled, or
+    another request waits): the tokens it streamed are kept, and the cache holds every one but the last."""
+
+
+class Scheduler:
+    """A fixed batch of `max_batch_size` rows over one model; requests join at step boundaries and leave when done.
+    Shapes never change ([B, 1] decode, [B, chunk] prefill, one verify shape when speculating), so compiled graphs
+    are built once, by warm_up()."""
+
+    def __init__(self, generator: Generator, max_batch_size: int, max_queue: int, max_seq_length: int):
+        self.generator, self.engine, self.model = generator, generator.target, generator.model
+        self.tokenizer, self.eos = generator.tokenizer, set(generator.eos_ids)
+        self.byte_ids = byte_tokens(self.tokenizer)
+        self.batch, self.max_queue = max_batch_size, max_queue
+        self.context = max_seq_length  # prompt + completion tokens a request may use
+        # the last slot is scratch: padding and idle rows write it; every real position is below it
+        self.model.setup_caches(max_batch_size, max_seq_length + generator.lookahead + 2)
+        self.scratch = self.model.max_seq_length - 1
+        self.chunk = min(max(MIN_CHUNK, PREFILL_TOKENS // max_batch_size), max_seq_length)
+        self.device = generator.device
+        self.rows = [None] * max_batch_size
+        self.waiting = collections.deque()
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.metrics = Metrics(max_batch_size)
+        self.thread = threading.Thread(target=self.loop, name="scheduler", daemon=True)
+
+    # --- called from the HTTP side
+
+    def submit(self, r: Request):
+        with self.wake:
+            if self.stopping:
+                raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+            if len(self.waiting) >= self.max_queue:
+                self.metrics.outcomes["rejected"] += 1
+                raise ApiError(429, f"the queue is full ({self.max_queue} requests wait): retry later",
+                               kind="rate_limit_error", code="queue_full")
+            self.waiting.append(r)
+            self.metrics.queued = len(self.waiting)
+            self.wake.notify()
+
+    def cancel(self, r: Request):
+        """Ends r at the next step boundary (its client went away)."""
+        with self.wake:
+            r.cancelled = True
+            self.wake.notify()
+
+    def stop(self):
+        """Stop accepting; in-flight and waiting requests end with an error event; the thread exits."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+
+    # --- the thread
+
+    def loop(self):
+        while True:
+            with self.wake:
+                while not self.stopping and not self.waiting and not any(self.rows):
+                    self.wake.wait(0.5)  # a timeout, so that a signal handler in this thread runs promptly
+                if self.stopping:
+                    break
+                self.admit()
+            live = [r for r in self.rows if r is not None]
+            if not live:
+                continue
+            try:
+                lone = live[0] if len(live) == 1 else None
+                if lone is not None and self.can_speculate(lone):
+                    self.speculate(lone)
+                else:
+                    self.step()
+            except Exception as e:  # a failed forward fails the requests in it, never the server
+                log.exception("a step failed")
+                for r in [r for r in self.rows if r is not None]:
+                    self.fail(r, ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error"))
+        ending = ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+        with self.wake:
+            for r in [r for r in self.rows if r is not None] + list(self.waiting):
+                r.push(("error", ending))
+            self.rows, self.waiting = [None] * self.batch, collections.deque()
+
+    def admit(self):
+        """Waiting requests into free rows (lowest first); cancelled ones leave (called holding self.wake)."""
+        for r in [r for r in self.rows if r is not None and r.cancelled]:
+            self.release(r, "cancelled")
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            self.metrics.outcomes["cancelled"] += 1
+        while self.waiting and None in self.rows:
+            r = self.waiting.popleft()
+            r.slot = self.rows.index(None)
+            self.rows[r.slot] = r
+            self.metrics.prompt_tokens += len(r.prompt_ids)
+        self.metrics.queued = len(self.waiting)
+        self.metrics.active = sum(r is not None for r in self.rows)
+
+    def release(self, r: Request, outcome: str):
+        self.rows[r.slot] = None
+        self.metrics.active = sum(r is not None for r in self.rows)
+        r.finished_at = time.perf_counter()
+        self.metrics.outcomes[outcome] += 1
+        if outcome in ("stop", "length"):
+            r.push(("done", r.finish_reason))
+
+    def fail(self, r: Request, error: ApiError):
+        r.error = error
+        if r.slot is not None and self.rows[r.slot] is r:
+            self.release(r, "error")
+        r.push(("error", error))
+
+    def accept(self, r: Request, token: int) -> bool:
+        """A new token of r (the row's own failure ends only r); returns whether r is finished."""
+        if r.first_token_at is None:
+            r.first_token_at = time.perf_counter()
+            self.metrics.first_token(r.first_token_at - r.submitted)
+        self.metrics.produced(1)
+        try:
+            finished = add_token(r, token, self.tokenizer, self.eos, self.byte_ids)
+        except Exception as e:
+            log.exception("a request failed")
+            self.fail(r, ApiError(500, f"request failed: {type(e).__name__}: {e}", kind="server_error"))
+            return True
+        if finished:
+            self.release(r, r.finish_reason)
+        return finished
+
+    @torch.no_grad()
+    def step(self):
+        """One forward over all B rows: each prefilling row reads its next prompt chunk, each decoding row its
+        current token (column 0); padding and idle rows write only the scratch slot. Then one token per row that
+        has finished its prompt or decodes, drawn from that row's logits with its own settings."""
+        width = self.chunk if any(r is not None and r.prefilled < len(r.prompt_ids) for r in self.rows) else 1
+        x = torch.zeros(self.batch, width, dtype=torch.long)
+        pos = torch.full((self.batch, width), self.scratch, dtype=torch.long)
+        picks = []  # (request, column whose logits give its next token)
+        for r in self.rows:
+            if r is None:
+                continue
+            if r.prefilled < len(r.prompt_ids):
+                piece = r.prompt_ids[r.prefilled:r.prefilled + width]
+                x[r.slot, :len(piece)] = torch.tensor(piece)
+                pos[r.slot, :len(piece)] = torch.arange(r.prefilled, r.prefilled + len(piece))
+                r.prefilled += len(piece)
+                if r.prefilled == len(r.prompt_ids):
+                    picks.append((r, len(piece) - 1))
+            else:
+                x[r.slot, 0], pos[r.slot, 0] = r.tokens[-1], r.position
+                picks.append((r, 0))
+        pos = pos.to(self.device)
+        with sdpa_context():
+            logits = self.engine.forward(x.to(self.device), pos, pos)  # [B, width, V]; slots = positions
+        self.metrics.steps += 1
+        self.metrics.rows_stepped += sum(r is not None for r in self.rows)
+        if not picks:
+            return
+        rows = logits[[r.slot for r, _ in picks], [c for _, c in picks]].float()  # [n, V]
+        finite = torch.isfinite(rows).all(-1).tolist()
+        greedy = rows.argmax(-1).tolist()
+        for (r, _), row, ok, best in zip(picks, rows, finite, greedy):
+            if not ok:
+                self.fail(r, ApiError(500, "the model's logits are NaN or infinite: its weights are broken",
+                                      kind="server_error"))
+                continue
+            token = best if r.sampling.temperature == 0 else draw(logits_to_probs(row, r.sampling), r.generator)
+            self.accept(r, token)
+
+    def can_speculate(self, r: Request) -> bool:
+        """The library's speculative loop serves a lone decoding request: greedy (its output is the same either
+        way) or sampled without a seed (a seeded one keeps the per-row draws that make it reproducible)."""
+        return (self.generator.speculator is not None and r.prefilled == len(r.prompt_ids) and not r.cancelled
+                and (r.sampling.temperature == 0 or r.seed is None))
+
+    @torch.no_grad()
+    def speculate(self, r: Request):
+        """Decode the lone request r with the library's speculator, which runs on cache row 0 (r moves there
+        first) until r finishes or someone else waits; then batched decoding takes over from the cache it left."""
+        if r.slot != 0:
+            for layer in self.model.layers:  # the context's keys/values, once; row r.slot is free afterwards
+                cache = layer.attention.kv_cache
+                cache.k_cache[0, :, :r.position] = cache.k_cache[r.slot, :, :r.position]
+                cache.v_cache[0, :, :r.position] = cache.v_cache[r.slot, :, :r.position]
+            with self.wake:
+                self.rows[r.slot], self.rows[0], r.slot = None, r, 0
+        forwards = [0]
+
+        def counted(fn):
+            def run(*args, **kwargs):
+                forwards[0] += 1
+                return fn(*args, **kwargs)
+            return run
+
+        engine = dataclasses.replace(self.engine, forward=counted(self.engine.forward),
+                                     decode_one_token=counted(self.engine.decode_one_token))
+        first, tokens_before, forwards_before = [True], r.spec_tokens, r.spec_forwards
+
+        def on_token(token):
+            if first[0]:  # the speculator repeats its starting token (already r's): not a new one
+                first[0] = False
+                return
+            r.spec_tokens += 1  # counted before the token is handed on: the answer's figures go out with it
+            r.spec_forwards = forwards_before + forwards[0]
+            someone_waits = self.waiting and None in self.rows
+            if self.accept(r, int(token.view(-1)[0])) or r.cancelled or someone_waits or self.stopping:
+                raise Yield
+
+        current = torch.tensor([r.tokens[-1]], device=self.device)
+        context = r.prompt_ids + r.tokens[:-1]
+        try:
+            self.generator.speculator.generate(engine, [context], current, r.max_tokens - len(r.tokens) + 1,
+                                               r.sampling, sorted(self.eos), True, on_token)
+        except Yield:
+            pass
+        self.metrics.spec_tokens += r.spec_tokens - tokens_before
+        self.metrics.spec_forwards += forwards[0]
+
+    def warm_up(self):
+        """Requests that run every shape the server uses (a chunked prefill, batched decode, a speculative run),
+        so that compilation happens before /health says ready."""
+        prompt = self.tokenizer.encode_prompt("Hello, my name is")[: max(1, self.context // 4)]
+        n = min(12, self.context - len(prompt))
+        for together in (min(2, self.batch), 1):  # batched decode, then a lone request (speculative, if drafting)
+            requests = [Request(list(prompt), n, Sampling(0.0)) for _ in range(together)]
+            for r in requests:
+                self.submit(r)
+            while any(r.finish_reason is None and r.error is None for r in requests):
+                time.sleep(0.01)
+            failed = next((r.error for r in requests if r.error is not None), None)
+            if failed is not None:
+                raise RuntimeError(f"warm-up failed: {failed.message}")
+        self.metrics = Metrics(self.batch)  # the figures count real requests only
+
+
+# ----------------------------------------------------------------------------- checking a request
+
+def field_of(body: dict, name: str, kinds, default=None, check=None, explain: str = ""):
+    """body[name] if it has one of the JSON types `kinds` (and passes check), the default if absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds) \
+            or (isinstance(value, float) and not math.isfinite(value)) or (check is not None and not check(value)):
+        raise ApiError(400, f"`{name}` must be {explain}, got {json.dumps(value)[:80]}", name, "invalid_value")
+    return value
+
+
+def read_settings(body: dict, chat: bool) -> dict:
+    """The generation settings of a request body, each checked (400 naming the field)."""
+    number = (int, float)
+    field_of(body, "n", (int,), 1, lambda v: v == 1, "1 (one choice per request)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        field_of(body, name, number, 0, lambda v: v == 0, "0 (penalties are not supported)")
+    if body.get("logprobs") not in (None, False):
+        raise ApiError(400, "`logprobs` is not supported", "logprobs", "unsupported_value")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
+                                 and all(isinstance(s, str) and s for s in stop)):
+        raise ApiError(400, f"`stop` must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
+                       "stop", "invalid_value")
+    max_tokens = field_of(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+                          (int,), None, lambda v: v >= 1, "an integer >= 1")
+    options = field_of(body, "stream_options", (dict,), {}, None, "an object")
+    return {
+        "max_tokens": max_tokens if max_tokens is not None else (None if chat else 16),
+        "temperature": field_of(body, "temperature", number, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]"),
+        "top_p": field_of(body, "top_p", number, None, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "top_k": field_of(body, "top_k", (int,), None, lambda v: v >= 1, "an integer >= 1"),
+        "seed": field_of(body, "seed", (int,), None, lambda v: 0 <= v < 2**63, "an integer in [0, 2^63)"),
+        "stream": field_of(body, "stream", (bool,), False, None, "true or false"),
+        "include_usage": bool(options.get("include_usage")),
+        "stop": stop or [],
+    }
+
+
+def read_messages(body: dict) -> list:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "`messages` is required: a list of {\"role\", \"content\"} objects", "messages",
+                       "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "`messages` must be a non-empty list of {\"role\", \"content\"} objects", "messages",
+                       "invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"`{where}` must be an object with a string `role`", where, "invalid_value")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones, joined
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"`{where}.content` parts must be {{\"type\": \"text\", \"text\": ...}}",
+                               f"{where}.content", "invalid_value")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"`{where}.content` must be a string", f"{where}.content", "invalid_value")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+class Service:
+    """What the HTTP handlers share: the model's name, the scheduler once loaded, the key."""
+
+    def __init__(self, model_name: str, api_key: Optional[str] = None):
+        self.model_name, self.api_key = model_name, api_key
+        self.scheduler: Optional[Scheduler] = None
+        self.ready = False
+        self.failed: Optional[str] = None
+
+    def load(self, build) -> Optional[Scheduler]:
+        """build() (the scheduler, its model loaded); None if that failed (self.failed says why)."""
+        try:
+            self.scheduler = build()
+            return self.scheduler
+        except UserError as e:
+            self.failed = str(e)
+            log.error("error: %s", e)
+        except Exception as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            log.exception("loading failed")
+        return None
+
+    def warm_up(self):
+        """Compile every graph (the scheduler's loop must be running), then answer /health with 200."""
+        try:
+            self.scheduler.warm_up()
+            self.ready = True
+            log.info("ready")
+        except Exception as e:
+            self.failed = str(e)
+            log.error("error: %s", e)
+            self.scheduler.stop()
+
+    def start(self, build):
+        """Load, run the scheduler in a thread of its own and warm up, in the background (tests, eager engines)."""
+        def run():
+            if self.load(build) is not None:
+                self.scheduler.thread.start()
+                self.warm_up()
+        threading.Thread(target=run, name="load", daemon=True).start()
+
+    def check_key(self, request):
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer KEY`", None,
+                           "invalid_api_key")
+
+    def check_ready(self):
+        if not self.ready:
+            raise ApiError(503, f"the model failed to load: {self.failed}" if self.failed else
+                           "the model is loading: retry when GET /health answers 200", kind="server_error",
+                           code="model_not_ready")
+
+
+def create_app(service: Service):
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request as HTTPRequest
+    from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error_response(e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def health(request):
+        if service.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "failed" if service.failed else "loading"}, status_code=503)
+
+    async def models(request):
+        service.check_key(request)
+        return JSONResponse({"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
+                                                          "owned_by": "fastgen"}]})
+
+    async def metrics(request):
+        service.check_key(request)
+        text = service.scheduler.metrics.text() if service.scheduler else ""
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def page(request):
+        return FileResponse(STATIC / "chat.html", media_type="text/html")
+
+    async def complete(request: HTTPRequest, chat: bool):
+        service.check_key(request)
+        service.check_ready()
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
+        model = body.get("model")
+        if model is not None and model != service.model_name:
+            raise ApiError(400, f"`model` {json.dumps(model)[:80]} is not served here: use {service.model_name!r} "
+                           f"(GET /v1/models)", "model", "model_not_found")
+        settings = read_settings(body, chat)
+        scheduler = service.scheduler
+        if chat:
+            messages, param = read_messages(body), "messages"
+            try:
+                prompt_ids = scheduler.tokenizer.chat_ids(messages)
+            except UserError as e:
+                raise ApiError(400, f"`messages`: {e}", "messages", "invalid_value") from None
+        else:
+            prompt, param = body.get("prompt"), "prompt"
+            if prompt is None:
+                raise ApiError(400, "`prompt` is required: a string", "prompt", "missing_required_parameter")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise ApiError(400, "`prompt` must be a string", "prompt", "invalid_value")
+            prompt_ids = scheduler.tokenizer.encode_prompt(prompt)
+        context = scheduler.context
+        if not prompt_ids or len(prompt_ids) >= context:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server's context is {context} tokens "
+                           f"(prompt + completion): shorten `{param}`", param, "context_length_exceeded")
+        max_tokens = settings["max_tokens"]
+        if max_tokens is None:
+            max_tokens = context - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > context:
+            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + `max_tokens` ({max_tokens}) exceeds this "
+                           f"server's context of {context} tokens: lower `max_tokens` to at most "
+                           f"{context - len(prompt_ids)}", "max_tokens", "context_length_exceeded")
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def push(event):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is closed: the server is going down
+                pass
+
+        r = Request(prompt_ids, max_tokens, Sampling(settings["temperature"], settings["top_k"], settings["top_p"]),
+                    settings["seed"], settings["stop"], push)
+        scheduler.submit(r)
+        watcher = asyncio.create_task(watch_disconnect(request, r, scheduler, events))
+        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
+                "model": service.model_name}
+        if settings["stream"]:
+            return StreamingResponse(stream(r, events, watcher, scheduler, meta, chat, settings["include_usage"]),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            text, finish = "", None
+            while finish is None:
+                kind, value = await events.get()
+                if kind == "text":
+                    text += value
+                elif kind == "done":
+                    finish = value
+                elif kind == "error":
+                    raise value
+                else:  # the client went away
+                    return JSONResponse({}, status_code=499)
+        finally:
+            watcher.cancel()
+            scheduler.cancel(r)
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        return JSONResponse(dict(meta, object="chat.completion" if chat else "text_completion", choices=[choice],
+                                 usage=usage(r), fastgen=r.stats()))
+
+    async def chat_completions(request):
+        return await complete(request, chat=True)
+
+    async def completions(request):
+        return await complete(request, chat=False)
+
+    async def api_error(request, e: ApiError):
+        return error_response(e)
+
+    async def http_error(request, e: HTTPException):
+        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                       code="not_found" if e.status_code == 404 else None))
+
+    app = Starlette(routes=[
+        Route("/", page), Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ], exception_handlers={ApiError: api_error, HTTPException: http_error})
+    app.state.service = service
+    return app
+
+
+async def watch_disconnect(request, r: Request, scheduler: Scheduler, events: asyncio.Queue):
+    """The client's connection, watched: if it closes before r is done, r is cancelled (its row is freed at the
+    next step boundary) and the handler told."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scheduler.cancel(r)
+            events.put_nowait(("gone", None))
+            return
+
+
+def usage(r: Request) -> dict:
+    return {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.tokens),
+            "total_tokens": len(r.prompt_ids) + len(r.tokens)}
+
+
+async def stream(r: Request, events: asyncio.Queue, watcher, scheduler: Scheduler, meta: dict, chat: bool,
+                 include_usage: bool):
+    """Server-sent events in OpenAI's chunk format, then `data: [DONE]`; the last chunk carries the finish reason
+    and this answer's figures (an extension field, `fastgen`)."""
+    kind_name = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: Optional[str], finish: Optional[str] = None, first: bool = False, **extra) -> str:
+        if chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return f"data: {json.dumps(dict(meta, object=kind_name, choices=[choice], **extra))}\n\n"
+
+    try:
+        if chat:
+            yield chunk("", first=True)
+        while True:
+            kind, value = await events.get()
+            if kind == "text":
+                yield chunk(value)
+            elif kind == "done":
+                yield chunk(None if chat else "", value, fastgen=r.stats())
+                if include_usage:
+                    yield f"data: {json.dumps(dict(meta, object=kind_name, choices=[], usage=usage(r)))}\n\n"
+                break
+            elif kind == "error":
+                yield f"data: {json.dumps(value.body())}\n\n"
+                break
+            else:
+                return
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        scheduler.cancel(r)  # a client gone mid-stream frees its row at the next step boundary
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="OpenAI-compatible server: continuous batching, speculative decoding of a "
+                                            "lone request, a chat page at /")
+    p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/tiny/target/model.pth"))
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None)
+    p.add_argument("--speculate_k", default="5", help="draft depth K (>= 1), or 'auto'")
+    p.add_argument("--tree_nodes", type=int, default=None, help="draft tokens verified per target forward")
+    p.add_argument("--draft_ngram", type=int, default=0, metavar="N", help="n-gram lookup drafting")
+    p.add_argument("--compile", nargs="?", const="auto", default="none", choices=COMPILE_MODES, metavar="MODE")
+    p.add_argument("--max_batch_size", type=int, default=8, help="rows decoded together (continuous batching)")
+    p.add_argument("--max_queue", type=int, default=64, help="requests that may wait for a row; more get 429")
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="tokens per request, prompt + completion (default: the model's context, at most 4096)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api_key", default=None, help="require `Authorization: Bearer KEY`")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--precision", choices=list(PRECISIONS), default=None)
+    return p.parse_args(argv)
+
+
+def build_scheduler(args: argparse.Namespace) -> Scheduler:
+    """The generator for these flags (as generate.py builds it) under a scheduler."""
+    depth = args.speculate_k if args.speculate_k == "auto" else int(args.speculate_k)
+    precision = PRECISIONS[args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")]
+    if args.compile != "none":
+        configure_compiler(args.device)
+    generator = Generator.build(args.checkpoint_path, args.device, precision, args.draft_checkpoint_path,
+                                Speculation(depth, args.tree_nodes, args.draft_ngram), args.compile)
+    block = generator.model.args.block_size
+    return Scheduler(generator, args.max_batch_size, args.max_queue, min(args.max_seq_length or 4096, block))
+
+
+def check_args(args: argparse.Namespace):
+    if args.speculate_k != "auto" and not args.speculate_k.isdigit():
+        raise UserError(f"--speculate_k must be an integer >= 1 or 'auto', got {args.speculate_k!r}")
+    for name in ("max_batch_size", "max_queue", "max_seq_length"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name} must be >= 1, got {value}")
+    if not args.checkpoint_path.is_file():
+        raise UserError(f"checkpoint not found: {args.checkpoint_path}: pass a model.pth file")
+
+
+def main(argv=None) -> int:
+    """The model runs in the main thread (inductor's CPU GEMM templates compile only there), uvicorn in another."""
+    import uvicorn
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    try:
+        check_args(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    service = Service(args.checkpoint_path.parent.name, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    serving = threading.Thread(target=server.run, name="http", daemon=True)
+    serving.start()
+    terminated = []
+
+    def terminate(signum, frame):
+        # stop taking requests and end the in-flight ones, so that their connections close and uvicorn exits
+        terminated.append(signum)
+        if service.scheduler is not None:
+            service.scheduler.stop()
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
+    scheduler = service.load(lambda: build_scheduler(args))
+    if scheduler is not None and not terminated:
+        threading.Thread(target=service.warm_up, name="warm-up", daemon=True).start()
+        scheduler.loop()
+    server.should_exit = True
+    serving.join(10)
+    if terminated:
+        return 128 + terminated[0]
+    return 1 if service.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

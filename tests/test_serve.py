@@ -1,0 +1,510 @@
+"""serve.py: the OpenAI API over continuous batching. Servers run in this process (uvicorn in a thread, a free
+loopback port); each answer is checked against the library's own output for that prompt alone."""
+import dataclasses
+import http.client
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import generation
+import serve
+from decode import Sampling
+from helpers import ROOT, copy_checkpoint, write_checkpoint
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+KEY = "test-key"
+
+
+class Running:
+    """A server on a free loopback port, started in this process."""
+
+    def __init__(self, checkpoint, *flags, api_key=KEY, slow: float = 0.0):
+        self.args = serve.parse_args(["--checkpoint_path", str(checkpoint), "--port", "0", *map(str, flags)]
+                                     + (["--api_key", api_key] if api_key else []))
+        self.service = serve.Service(checkpoint.parent.name, api_key)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(serve.create_app(self.service), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+
+        def build():
+            scheduler = serve.build_scheduler(self.args)
+            if slow:  # a slower model: every forward takes at least `slow` seconds
+                forward = scheduler.engine.forward
+
+                def slow_forward(*a, **k):
+                    time.sleep(slow)
+                    return forward(*a, **k)
+                scheduler.engine = dataclasses.replace(scheduler.engine, forward=slow_forward)
+            return scheduler
+        self.service.start(build)
+        deadline = time.time() + 300
+        while not self.service.ready:
+            assert self.service.failed is None and time.time() < deadline, self.service.failed
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0)
+        self.name = self.service.model_name
+        self.scheduler = self.service.scheduler
+
+    def post(self, path, body, headers=None, raw=None):
+        """(status, parsed JSON) of a POST, the key sent unless headers say otherwise."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"} if headers is None \
+            else headers
+        connection.request("POST", path, raw if raw is not None else json.dumps(body), headers)
+        response = connection.getresponse()
+        status, data = response.status, response.read()
+        connection.close()
+        return status, json.loads(data)
+
+    def get(self, path, key=KEY):
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        connection.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        response = connection.getresponse()
+        status, data = response.status, response.read().decode()
+        connection.close()
+        return status, data
+
+    def metric(self, name):
+        return float(next(line.split()[-1] for line in self.get("/metrics")[1].splitlines()
+                          if line.startswith(name + " ") or line.startswith(name + "{")
+                          and line.split()[0] == name))
+
+    def stop(self):
+        self.scheduler.stop()
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(random_target):
+    running = Running(random_target, "--max_batch_size", 4)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_server(random_target):
+    """One row, one waiting request at most, 20 ms a forward: time to disconnect, fill the queue, press Stop."""
+    running = Running(random_target, "--max_batch_size", 1, "--max_queue", 1, api_key=None, slow=0.02)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def library(random_target):
+    return generation.Generator.build(random_target)
+
+
+def alone(library, prompt_ids, n):
+    """The library's greedy tokens for prompt_ids alone (generate.py's), and their text as the server sends it."""
+    tokens = library.generate(list(prompt_ids), n, Sampling(temperature=0))[0][0]
+    text = library.tokenizer.decode([t for t in tokens if t not in library.eos_ids])
+    return tokens, serve.stable_text(text)
+
+
+def finish_reason(tokens, library):
+    return "stop" if tokens[-1] in library.eos_ids else "length"
+
+
+PROMPTS = ["def main(", "Hello, my name is", "The parser adds", "usage: prog [-h]",
+           "an optional argument " * 12]  # the last one spans several prefill chunks
+
+
+# ----------------------------------------------------------------------------- the API, checked against the library
+
+def test_chat_completion_equals_library(server, library):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is argparse?"}]
+    reply = server.client.chat.completions.create(model=server.name, messages=messages, max_tokens=24, temperature=0)
+    ids = library.tokenizer.chat_ids(messages)
+    tokens, text = alone(library, ids, 24)
+    assert reply.choices[0].message.content == text
+    assert reply.choices[0].finish_reason == finish_reason(tokens, library)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(tokens))
+    assert reply.usage.total_tokens == len(ids) + len(tokens)
+    assert reply.id.startswith("chatcmpl-") and reply.model == server.name and reply.created > 0
+
+
+def test_completion_and_its_stream_equal_library(server, library):
+    for prompt in PROMPTS[:2]:
+        tokens, text = alone(library, library.tokenizer.encode_prompt(prompt), 30)
+        reply = server.client.completions.create(model=server.name, prompt=prompt, max_tokens=30, temperature=0)
+        assert reply.choices[0].text == text and reply.usage.completion_tokens == len(tokens)
+        chunks = list(server.client.completions.create(model=server.name, prompt=prompt, max_tokens=30,
+                                                       temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == finish_reason(tokens, library)
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-1]) and len(chunks) > 3
+
+
+def test_chat_stream_arrives_in_pieces_with_usage(server, library):
+    messages = [{"role": "user", "content": "Stream this, please."}]
+    tokens, text = alone(library, library.tokenizer.chat_ids(messages), 40)
+    chunks = list(server.client.chat.completions.create(model=server.name, messages=messages, max_tokens=40,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == len(tokens) and not chunks[-1].choices
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= len(text) // 8
+
+
+def test_stop_strings_end_the_text_before_them(server, library):
+    prompt = PROMPTS[1]
+    _, text = alone(library, library.tokenizer.encode_prompt(prompt), 60)
+    stop = next(text[k:k + 3] for k in range(len(text) // 2, len(text)) if "\ufffd" not in text[k:k + 3])
+    want = text[:text.find(stop)]
+    reply = server.client.completions.create(model=server.name, prompt=prompt, max_tokens=60, temperature=0,
+                                             stop=[stop, "\x00never"])
+    assert reply.choices[0].text == want and reply.choices[0].finish_reason == "stop"
+    streamed = server.client.completions.create(model=server.name, prompt=prompt, max_tokens=60, temperature=0,
+                                                stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+
+
+def test_stop_text_is_never_cut_inside_a_character():
+    """A token that ends mid-character holds the text back until the character is whole."""
+    class Bytes:  # ids are bytes of UTF-8
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+    sent = []
+    r = serve.Request([1], 10, Sampling(), push=sent.append)
+    for b in "é!".encode():
+        serve.add_token(r, b, Bytes(), eos=set())
+    assert [text for _, text in sent] == ["é", "!"]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(server):
+    def sampled(seed, prompt=PROMPTS[0]):
+        return server.client.completions.create(model=server.name, prompt=prompt, max_tokens=24, temperature=1.0,
+                                                seed=seed, extra_body={"top_k": 50}).choices[0].text
+
+    first = sampled(7)
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(sampled, seed, prompt) for seed, prompt in zip((1, 2, 3), PROMPTS[1:])]
+        beside = pool.submit(sampled, 7)
+        assert beside.result() == first
+        [o.result() for o in others]
+    assert sampled(7) == first and sampled(8) != first
+
+
+def test_sixteen_concurrent_clients_each_equal_the_library_alone(server, library):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(16)]
+    lengths = [8 + 3 * i for i in range(16)]
+
+    def ask(i):
+        reply = server.client.completions.create(model=server.name, prompt=prompts[i], max_tokens=lengths[i],
+                                                 temperature=0)
+        return reply.choices[0].text, reply.usage.completion_tokens
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16)))
+    for prompt, n, (text, count) in zip(prompts, lengths, got):
+        tokens, want = alone(library, library.tokenizer.encode_prompt(prompt), n)
+        assert (text, count) == (want, len(tokens)), prompt
+    assert server.metric("fastgen_batch_occupancy") > 0.25  # rows were shared
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client.models.list()] == [server.name]
+    assert server.get("/health", key=None)[0] == 200
+    before = server.metric("fastgen_generated_tokens_total")
+    server.client.completions.create(model=server.name, prompt="metrics", max_tokens=5, temperature=0)
+    status, text = server.get("/metrics")
+    assert status == 200 and server.metric("fastgen_generated_tokens_total") >= before + 1
+    for name in ("fastgen_requests_total{outcome=\"length\"}", "fastgen_tokens_per_second",
+                 "fastgen_time_to_first_token_seconds_count", "fastgen_speculative_tokens_per_forward",
+                 "fastgen_batch_occupancy", "fastgen_queue_depth"):
+        assert name in text
+
+
+# ----------------------------------------------------------------------------- bad input and faults
+
+BAD = [  # (path, body, status, param)
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 400, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400,
+     "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 400}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", 3]}, 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD, ids=[f"{b}"[:40] for _, b, _, _ in BAD])
+def test_bad_input_is_a_400_naming_the_field(server, path, body, status, param):
+    raw = body if isinstance(body, bytes) else None
+    got, reply = server.post(path, body, raw=raw)
+    assert got == status
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert error["type"] == "invalid_request_error" and (param is None or param.split("[")[0] in error["message"])
+
+
+def test_api_key_is_required(server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        status, reply = server.post("/v1/completions", body, headers=headers)
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    assert server.get("/v1/models", key="wrong")[0] == 401 and server.get("/v1/models")[0] == 200
+    assert server.post("/v1/completions", body)[0] == 200
+
+
+def test_unknown_path_is_an_openai_style_404(server):
+    status, text = server.get("/v1/engines")
+    assert status == 404 and json.loads(text)["error"]["code"] == "not_found"
+
+
+def test_binds_loopback_unless_told():
+    assert serve.parse_args([]).host == "127.0.0.1"
+
+
+def test_health_is_503_while_loading(random_target):
+    from starlette.testclient import TestClient
+    release = threading.Event()
+    service = serve.Service("target")
+
+    def build():
+        release.wait(30)
+        return serve.build_scheduler(serve.parse_args(["--checkpoint_path", str(random_target)]))
+    service.start(build)
+    with TestClient(serve.create_app(service)) as client:
+        assert client.get("/health").status_code == 503
+        reply = client.post("/v1/completions", json={"prompt": "hi"})
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "model_not_ready"
+        release.set()
+        deadline = time.time() + 60
+        while client.get("/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    service.scheduler.stop()
+
+
+def test_a_failing_request_fails_alone(server, library, monkeypatch):
+    """An exception while one request's token is handled ends that request (500), not its neighbours or the
+    server."""
+    doomed = library.tokenizer.encode_prompt("this one fails")
+    add_token = serve.add_token
+
+    def failing(r, *args):
+        if r.prompt_ids == doomed and len(r.tokens) >= 3:
+            raise RuntimeError("broken detokenizer")
+        return add_token(r, *args)
+    monkeypatch.setattr(serve, "add_token", failing)
+    with ThreadPoolExecutor(3) as pool:
+        bad = pool.submit(server.post, "/v1/completions", {"prompt": "this one fails", "max_tokens": 30,
+                                                           "temperature": 0})
+        good = [pool.submit(server.client.completions.create, model=server.name, prompt=p, max_tokens=30,
+                            temperature=0) for p in PROMPTS[:2]]
+        status, reply = bad.result()
+        assert status == 500 and "broken detokenizer" in reply["error"]["message"]
+        for p, g in zip(PROMPTS, good):
+            assert g.result().choices[0].text == alone(library, library.tokenizer.encode_prompt(p), 30)[1]
+    assert server.get("/health")[0] == 200
+
+
+def stream_request(running, body):
+    """A streaming request whose response is read by hand: (connection, response)."""
+    connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)),
+                       {"Content-Type": "application/json"})
+    return connection, connection.getresponse()
+
+
+def test_a_client_that_disconnects_frees_its_row(slow_server):
+    scheduler = slow_server.scheduler
+    connection, response = stream_request(slow_server, {"prompt": "a long answer", "max_tokens": 200})
+    for _ in range(3):
+        assert response.readline().startswith(b"data: ")
+        response.readline()
+    assert scheduler.rows[0] is not None
+    cancelled = scheduler.metrics.outcomes["cancelled"]
+    response.close()
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    steps = scheduler.metrics.steps
+    deadline = time.time() + 10
+    while scheduler.rows[0] is not None:
+        assert time.time() < deadline
+        time.sleep(0.005)
+    assert scheduler.metrics.steps - steps <= 2  # the step in flight, at most one more
+    assert scheduler.metrics.outcomes["cancelled"] == cancelled + 1
+
+
+def test_a_full_queue_answers_429(slow_server):
+    first, running = stream_request(slow_server, {"prompt": "takes the row", "max_tokens": 200})
+    running.readline()
+    second, waiting = None, None
+    try:
+        second = http.client.HTTPConnection("127.0.0.1", slow_server.port, timeout=60)
+        second.request("POST", "/v1/completions", json.dumps({"prompt": "waits", "max_tokens": 2}),
+                       {"Content-Type": "application/json"})
+        deadline = time.time() + 10
+        while not slow_server.scheduler.waiting:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        status, reply = slow_server.post("/v1/completions", {"prompt": "one too many", "max_tokens": 2},
+                                         headers={"Content-Type": "application/json"})
+        assert status == 429 and reply["error"]["code"] == "queue_full"
+    finally:
+        first.close()
+    waiting = second.getresponse()
+    assert waiting.status == 200 and json.loads(waiting.read())["usage"]["completion_tokens"] >= 1
+
+
+# ----------------------------------------------------------------------------- speculation and compilation
+
+@pytest.fixture(scope="module")
+def near_draft(random_target, tmp_path_factory):
+    return copy_checkpoint(random_target, tmp_path_factory.mktemp("serve_near"), noise=0.05, sharpen=4.0)
+
+
+def test_a_lone_request_speculates_and_stays_exact(random_target, near_draft, library):
+    running = Running(random_target, "--max_batch_size", 3, "--draft_checkpoint_path", near_draft,
+                      "--speculate_k", 3)
+    try:
+        messages = [{"role": "user", "content": "Say something long."}]
+        tokens, text = alone(library, library.tokenizer.chat_ids(messages), 60)
+        reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 60, "temperature": 0})[1]
+        assert reply["choices"][0]["message"]["content"] == text
+        assert reply["fastgen"]["tokens_per_target_forward"] > 1.2  # drafts were accepted
+        with ThreadPoolExecutor(4) as pool:  # several at once: batched rows, then whoever is left alone
+            got = list(pool.map(lambda p: running.client.completions.create(
+                model=running.name, prompt=p, max_tokens=40, temperature=0).choices[0].text, PROMPTS[:4]))
+        assert got == [alone(library, library.tokenizer.encode_prompt(p), 40)[1] for p in PROMPTS[:4]]
+    finally:
+        running.stop()
+
+
+def launch(checkpoint, *flags):
+    """python serve.py as a user runs it (the model in the main thread), on a free loopback port, once ready:
+    (process, a stand-in for Running with .port and .get)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "serve.py", "--checkpoint_path", str(checkpoint), "--port",
+                                str(port), *map(str, flags)], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    running = Running.__new__(Running)
+    running.port = port
+    deadline = time.time() + 600
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        assert time.time() < deadline
+        try:
+            if running.get("/health", key=None)[0] == 200:
+                return process, running
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_compiled_graphs_are_never_rebuilt_after_warm_up(random_target, library):
+    process, running = launch(random_target, "--max_batch_size", 2, "--compile", "--draft_ngram", 3,
+                              "--speculate_k", 4)
+    try:
+        graphs = running.metric("fastgen_compiled_graphs")
+        assert graphs > 0
+
+        def ask(prompt, **extra):
+            body = dict({"prompt": prompt, "max_tokens": 25, "temperature": 0}, **extra)
+            return running.post("/v1/completions", body, headers={"Content-Type": "application/json"})[1]
+
+        with ThreadPoolExecutor(3) as pool:  # prompts of several lengths, together and alone
+            got = [r["choices"][0]["text"] for r in pool.map(ask, PROMPTS)]
+        ask(PROMPTS[1], temperature=0.7, seed=3)
+        assert got == [alone(library, library.tokenizer.encode_prompt(p), 25)[1] for p in PROMPTS]
+        assert running.metric("fastgen_compiled_graphs") == graphs
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_ends_in_flight_requests_and_exits(tokenizer_model, tmp_path):
+    checkpoint = write_checkpoint(tmp_path / "long", tokenizer_model, dim=64, n_layer=2, n_head=4, vocab_size=512,
+                                  block_size=4096)
+    process, running = launch(checkpoint, "--max_batch_size", 2)
+    try:
+        connection, response = stream_request(running, {"prompt": "go on", "max_tokens": 4000, "temperature": 1})
+        assert response.readline().startswith(b"data: ")
+        process.send_signal(signal.SIGTERM)
+        rest = response.read().decode()
+        assert "shutting_down" in rest  # the stream ends with an error event, not silently
+        assert process.wait(timeout=20) == 128 + signal.SIGTERM
+        assert "Traceback" not in process.stdout.read()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", running.port), timeout=2)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+# ----------------------------------------------------------------------------- the chat page in a real browser
+
+@pytest.mark.slow
+def test_chat_page_streams_answers_and_stops(slow_server, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium on PATH (apt-get install -y chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(slow_server.url + "/")
+        page.fill("#max_tokens", "12")
+        page.fill("#prompt", "What does argparse do?")
+        page.press("#prompt", "Enter")
+        first = page.locator(".answer").first
+        page.wait_for_function("document.querySelector('#send').disabled === false", timeout=30000)
+        assert first.inner_text().strip() and "tokens/s" in page.locator(".assistant .stats").first.inner_text()
+        page.fill("#max_tokens", "")  # the rest of the context: long enough to stop by hand
+        page.fill("#prompt", "Now tell me everything.")
+        page.click("#send")
+        second = page.locator(".answer").nth(1)
+        page.wait_for_function("document.querySelectorAll('.answer')[1].textContent.length > 5", timeout=30000)
+        page.click("#stop")
+        page.wait_for_function("document.querySelectorAll('.stats')[3].textContent.includes('stopped')",
+                               timeout=10000)
+        stopped = second.inner_text()
+        time.sleep(0.3)
+        assert second.inner_text() == stopped  # nothing arrives after Stop
+        deadline = time.time() + 5
+        while slow_server.scheduler.rows[0] is not None:  # and the server freed the row
+            assert time.time() < deadline
+            time.sleep(0.01)
+        shot = tmp_path / "chat_page.png"
+        page.screenshot(path=str(shot), full_page=True)
+        print(f"screenshot: {shot}")
+        assert page.locator(".user").count() == 2 and shot.stat().st_size > 0
+        browser.close()
