@@ -1,4 +1,5 @@
 """Shared fixtures: checkpoints the tests build themselves (random weights, a tiny tokenizer)."""
+import os
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,16 @@ def random_draft(tmp_path_factory, tokenizer_model) -> Path:
 
 @pytest.fixture(scope="session")
 def trained_pair(tmp_path_factory) -> Path:
-    """A real (barely) trained target/draft pair from scripts/train_tiny.py's test preset: OUT/{target,draft}."""
+    """A real (barely) trained target/draft pair from scripts/train_tiny.py's test preset: OUT/{target,draft}.
+    Trained once per test run: parallel workers (pytest-xdist) share it through a lock in their common directory."""
     import train_tiny
-    out = tmp_path_factory.mktemp("trained")
-    train_tiny.main(["--preset", "test", "--out_dir", str(out), "--seed", "0"])
+    from filelock import FileLock
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") \
+        else tmp_path_factory.getbasetemp()
+    out = shared / "trained_pair"
+    with FileLock(str(shared / "trained_pair.lock")):
+        if not (out / "train_stats.json").is_file():
+            train_tiny.main(["--preset", "test", "--out_dir", str(out), "--seed", "0"])
     return out
 
 

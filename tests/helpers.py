@@ -97,13 +97,13 @@ VOCAB = 32
 PREFIX, FIRST = [1, 7, 5, 9, 3], 7  # the prompt, and the token the target emitted at prefill (7 -> 5 9 recurs:
 # an n-gram lookup proposes it)
 PREFIX2 = [1, 2, 7, 5, 9, 4, 6, 3]  # a longer prompt: its rows sit at other positions in the same batch
-DRAWS = 20_000
+DRAWS = 8_000  # every broken variant of the tables scores far below REJECT_BELOW at this size
 ROWS = 250  # draws run this many rows at a time (batched speculation); each row is an independent draw
 REJECT_BELOW = 1e-6  # a correct sampler fails one check with probability 1e-6; the broken ones score < 1e-15
 
 
 class TableModel:
-    """Stands in for a Transformer inside the speculative loop, so that 20,000 draws take seconds, not
+    """Stands in for a Transformer inside the speculative loop, so that DRAWS draws take seconds, not
     minutes: its forward returns, for each query, the logits the real tiny Transformer `model` gives for
     the context that query sees, read from tables filled by one batched forward over every continuation
     of prompt + [FIRST] by up to `depth` tokens, for each prompt in `prompts` (any other context: the

@@ -155,7 +155,7 @@ def test_clear_errors(random_target, random_draft, tmp_path, tokenizer_model):
 #
 # Speculative sampling must leave the output distributed exactly as the target's (Leviathan et al. 2023,
 # Chen et al. 2023). The test: a fixed prefix, the real speculative loop (speculate.Speculator.generate with a
-# draftmodel.ModelDrafter, depth 2) run 20,000 times for the next two tokens (250 rows of a batch at a time, each
+# draftmodel.ModelDrafter, depth 2) run DRAWS times for the next two tokens (250 rows of a batch at a time, each
 # row an independent draw), and Pearson's chi-square test of
 # the first token, the second token and the pair against the target's distribution computed by
 # enumeration. The same test run with a deliberately wrong rejection rule must reject it.

@@ -319,7 +319,7 @@ def test_ngram_greedy_identical_to_plain_decoding(random_target, extra, prompt):
 
 # ----------------------------------------------------------------------------- sampled trees are lossless
 #
-# The chi-square test of test_speculative.py (20,000 draws of the two tokens after a fixed prefix, against the
+# The chi-square test of test_speculative.py (DRAWS draws of the two tokens after a fixed prefix, against the
 # target's distribution by enumeration) with a depth-2 tree of 6 nodes: 3 children drawn without replacement
 # per expanded node (12 drafted, 6 kept), verified one after another against the residual; optionally with
 # an n-gram lookup's deterministic branch merged in at the root. The draft is noisy and confident, so the
