@@ -42,8 +42,16 @@ def trained_pair(tmp_path_factory) -> Path:
     return out
 
 
+# the longest modules first: with one module per worker (pytest-xdist --dist loadfile) the suite ends sooner when no
+# long module starts last
+LONGEST_FIRST = ["test_tree", "test_bad_input", "test_crossdraft", "test_serve", "test_batched", "test_tp",
+                 "test_speculative", "test_generate", "test_train_tiny", "test_eval", "test_decode"]
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that needs the trained pair trains it first (scripts/train_tiny.py): slow."""
     for item in items:
         if "trained_pair" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: each module keeps its order

@@ -197,7 +197,7 @@ def primed_drafters(random_target, noisy_draft, mode: str):
     return drafters, ids[:, -1:], torch.tensor([[ids.shape[1] - 1]]), vocab
 
 
-@pytest.mark.parametrize("mode", ["regional", "whole"])
+@pytest.mark.parametrize("mode", ["regional", pytest.param("whole", marks=pytest.mark.slow)])
 def test_compiled_tli_step_gives_the_eager_proposal(random_target, noisy_draft, mode):
     """The sampled draft step compiled (the whole step as one graph, or the regional forward then the rest) hands
     the verifier the same q_T as the eager step, draws only tokens of the intersection, and q_T is a distribution

@@ -11,9 +11,6 @@ from errors import UserError
 from helpers import copy_checkpoint
 from model import Linear, ModelArgs, Transformer
 
-MODES = pytest.mark.parametrize("mode", ["regional", "whole"])
-
-
 def greedy(engine, prompt, n=12):
     return generation.generate(engine, prompt, n, decode.Sampling(), [], stop_at_eos=False)[0][0]
 
@@ -67,7 +64,7 @@ def test_auto_compile_mode_follows_depth():
     assert decode.compile_engine(shallow, "cpu").mode == "whole"
 
 
-@MODES
+@pytest.mark.parametrize("mode", ["regional", pytest.param("whole", marks=pytest.mark.slow)])
 def test_compiled_verification_forward_equals_eager(random_target, mode):
     """engine.forward with an explicit tree mask (speculative verification) gives the eager logits."""
     model = generation.load_model(random_target)

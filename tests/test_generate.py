@@ -161,6 +161,7 @@ def test_compiled_equals_eager_without_recompiling(random_target):
     assert graphs >= 2  # decode and prefill really were compiled
 
 
+@pytest.mark.slow
 def test_cli_compile_flag_reports_compile_time(random_target):
     stats = run(random_target, "--ignore_eos", "--compile", n=6)
     assert stats["compile"] is True and stats["compile_seconds"] > 0

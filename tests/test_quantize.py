@@ -247,7 +247,7 @@ def test_generate_loads_quantized_checkpoint_by_path(mode, groupsize, target, tm
     assert batched == [stats["samples"][0]["tokens"][:8]] * 3
 
 
-@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+@pytest.mark.parametrize("mode, groupsize", [pytest.param("int8", None, marks=pytest.mark.slow), ("int4", 32)])
 def test_compiled_quantized_equals_eager(mode, groupsize, target):
     path = quantized_file(target, mode, groupsize)
     eager = run(path, n=8)
