@@ -136,8 +136,13 @@ def remove_stale_partials(path: Path):
             pass
 
 
+# what marks a file as one this project wrote (stats of generate.py and eval.py, a torch.profiler trace), and so one
+# that may be replaced
+OWN_OUTPUT_KEYS = (b'"tokens_per_sec"', b'"perplexity"', b'"traceEvents"')
+
+
 def check_output_file(path: Path, setting: str):
-    """An output file (stats, a trace): a new file, or one this program wrote (JSON), in a writable directory.
+    """An output file (stats, a trace): a new or empty file, or one this program wrote, in a writable directory.
     Anything else (a checkpoint, a directory, a device) is refused before the run, not clobbered after it."""
     what = f"`{setting}` {path}"
     if path.is_dir():
@@ -147,11 +152,11 @@ def check_output_file(path: Path, setting: str):
             raise UserError(f"{what} exists and is not a regular file: name a new .json file")
         try:
             with open(path, "rb") as f:
-                head = f.read(1).strip()
+                head = f.read(1 << 20)
         except OSError as e:
             raise UserError(f"{what} cannot be read ({e.strerror}): name a new .json file") from None
-        if head not in (b"{", b"[", b""):
-            raise UserError(f"{what} exists and is not a JSON file this program wrote: name a new file")
+        if head.strip() and not any(key in head for key in OWN_OUTPUT_KEYS):  # config.json is JSON too
+            raise UserError(f"{what} exists and is not a stats or trace file this program wrote: name a new file")
     parent = path.parent
     if not parent.is_dir():
         raise UserError(f"{what}: the directory {parent} does not exist: create it first")

@@ -307,3 +307,17 @@ def test_a_closed_stdout_ends_quietly(random_target):
     result = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=ROOT, capture_output=True, text=True)
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
     assert result.returncode in (0, 141)
+
+
+def test_stats_json_replaces_only_files_this_program_wrote(random_target, tmp_path):
+    """A JSON file of someone else's (config.json, tokenizer.json) is refused before the run and left as it was; an
+    earlier stats file is replaced."""
+    config = random_target.parent / "config.json"
+    before = config.read_bytes()
+    with pytest.raises(UserError, match="--stats_json .*not a stats or trace file"):
+        cli.main(["--checkpoint_path", str(random_target), "--stats_json", str(config), "--num_samples", "1"])
+    assert config.read_bytes() == before
+    out = tmp_path / "stats.json"
+    for _ in range(2):
+        run(random_target, "--stats_json", str(out), n=2)
+    assert json.loads(out.read_text())["tokens_per_sec"] > 0
