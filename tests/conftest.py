@@ -2,12 +2,8 @@
 import os
 from pathlib import Path
 
-# one compile process per test worker: tiny graphs gain nothing from inductor's pool of compile workers, whose start
-# costs each xdist worker time on a 2-core machine
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 from helpers import train_tokenizer, write_checkpoint
 
