@@ -4,7 +4,6 @@ model; the lm-eval adapter against direct log-probabilities; the command line's 
 The reference model is a tiny LlamaForCausalLM built with transformers and converted as tests/test_convert.py does;
 the text is the standard library's documentation prose (pydoc_data/topics.py), which the tiny tokenizer never saw.
 """
-import ast
 import json
 import math
 import shutil
@@ -259,18 +258,6 @@ def test_command_line_errors_are_one_line(hf_checkpoint, text_file, tmp_path, fl
                              str(text_file), *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
-
-
-def test_nothing_imports_eval():
-    """eval.py sits beside generate.py at the end of the import chain: the library and scripts never import it."""
-    for path in list(ROOT.glob("*.py")) + list(ROOT.glob("scripts/*.py")):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-        assert "eval" not in names, f"{path.name} imports eval.py"
 
 
 # ----------------------------------------------------------------------------- lm-eval itself, offline
