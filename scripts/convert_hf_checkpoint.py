@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, run_cli, write_atomically  # noqa: E402
+from errors import UserError, load_weights, run_cli, write_atomically  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -163,12 +163,7 @@ def check_fits(state_dict: dict, args: ModelArgs, checkpoint_dir: Path):
     will require: nothing is written for a checkpoint that could not load."""
     with torch.device("meta"):
         model = Transformer(args)
-    try:
-        model.load_state_dict(state_dict, assign=True, strict=True)
-    except RuntimeError as e:
-        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])[:300]
-        raise UserError(f"the weights in {checkpoint_dir} do not match its config ({detail}): fix config.json "
-                        f"or re-download the checkpoint") from None
+    load_weights(model, state_dict, checkpoint_dir / "model.pth")
 
 
 def resolve_args(checkpoint_dir: Path, model_name=None) -> ModelArgs:
