@@ -5,15 +5,23 @@
     tokens = decode_n_tokens(engine, first, pos, 100, Sampling(0.7, top_k=200), eos_ids, stop_at_eos=True)
 """
 import contextlib
+import dataclasses
 import functools
 import os
+import shutil
+import sys
+import threading
+import time
+import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from errors import UserError
+from kernels import use_fast_weight_layout
 from model import Transformer
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,21 +111,22 @@ def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, sampling:
 # ----------------------------------------------------------------------------- the engine: the one home of compilation
 
 COMPILE_MODES = ("none", "regional", "whole", "autotune", "auto")
-# "auto" compiles CPU models of at most this many layers whole: their per-layer calls would cost more than their
-# compute, and their whole graph compiles quickly (BENCHMARKS.md).
-WHOLE_GRAPH_MAX_LAYERS = 8
 # Inductor's C++ GEMM templates, untimed (one choice: nothing to benchmark): every float linear of a frozen graph runs
 # its micro-kernels on weights re-packed at compile time. Quantized models keep their int8 / int4 kernels.
 CPP_GEMM_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
-def resolve_mode(mode: str, device: str, n_layer: int) -> str:
-    """The compile mode a model gets: "auto" is the whole graph on CUDA (replayed as a CUDA graph) and on CPU for
-    models of at most WHOLE_GRAPH_MAX_LAYERS layers, regional compilation for deeper CPU models."""
+def resolve_mode(mode: str, device: str, storable: bool = True) -> str:
+    """The compile mode a model gets: "auto" and "autotune" are stored graphs (built once, kept beside the
+    checkpoint; "autotune" times every matmul's candidates) for a model loaded from a file outside tensor
+    parallelism; otherwise "auto" is the whole graph on CUDA and regional compilation on CPU."""
     if mode not in COMPILE_MODES:
         raise UserError(f"`compile` mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if mode in ("auto", "autotune") and storable and not distributed:
+        return "stored" if mode == "auto" else "stored-autotune"
     if mode == "auto":
-        return "whole" if device.startswith("cuda") or n_layer <= WHOLE_GRAPH_MAX_LAYERS else "regional"
+        return "whole" if device.startswith("cuda") else "regional"
     return mode
 
 
@@ -131,6 +140,20 @@ def graph_options(model: Transformer, device: str, mode: str) -> dict:
     if all(t.dtype in (torch.float32, torch.bfloat16) for t in model.state_dict().values()):
         return {"options": dict(CPP_GEMM_OPTIONS)}
     return {}
+
+
+def stored_options(model: Transformer, device: str, mode: str) -> dict:
+    """Inductor's settings for a stored graph: on CPU the weights frozen in, with the C++ GEMM templates for float
+    weights (every candidate timed for "stored-autotune"); on CUDA coordinate-descent tuned Triton kernels."""
+    if device.startswith("cuda"):
+        return {"coordinate_descent_tuning": True, "max_autotune": mode == "stored-autotune",
+                "aot_inductor.embed_kernel_binary": True}  # the kernels inside the one shared library
+    options = {"freezing": True}
+    if mode == "stored-autotune":
+        options["max_autotune"] = True
+    elif all(t.dtype in (torch.float32, torch.bfloat16) for t in model.state_dict().values()):
+        options.update(CPP_GEMM_OPTIONS)
+    return options
 
 
 @dataclass
@@ -150,10 +173,11 @@ class Engine:
 
     def compile(self, fn):
         """fn(model, ...) as one static-shape graph compiled like this engine's own, the model bound first; eager for
-        "none"; None for "regional" (only the block and head are graphs: step through forward / decode_one_token)."""
+        "none"; None for "regional" (only the block and head are graphs) and stored graphs (one graph of the model):
+        step through forward / decode_one_token."""
         if self.mode == "none":
             return functools.partial(fn, self.model)
-        if self.mode == "regional":
+        if self.mode == "regional" or self.mode.startswith("stored"):
             return None
         return functools.partial(torch.compile(fn, fullgraph=True, dynamic=False, **self.options), self.model)
 
@@ -197,15 +221,26 @@ def configure_compiler(device: str):
 
 
 def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_prefill: bool = False) -> Engine:
-    """The engine for `model` in compile `mode`: the one-token decode (static shape [B, 1]), the verification forward
-    (one static shape per tree size) and, with compile_prefill, the prefill (dynamic in the prompt length).
+    """The engine for `model` in compile `mode`.
+    stored (`auto`, `autotune`): one AOTInductor graph of the whole model per batch and cache size, dynamic in the
+    tokens per call, so decode, verification and prefill share it; built once, stored beside the checkpoint
+    (StoredForward), loaded by later runs in about a second.
     regional: one compiled TransformerBlock runs every layer (weights and cache are graph inputs), shared by all
-    models of its shape; whole: the model as one graph, weights frozen in on CPU (a graph per model), CUDA graphs on
-    GPU; autotune: whole, every matmul shape timed by max-autotune. docs/compilation.md explains the choice."""
-    mode = resolve_mode(mode, device, model.args.n_layer)
+    models of its shape.
+    whole: torch.compile in this process: the one-token decode (static shape [B, 1]), the verification forward (one
+    static shape per tree size) and, with compile_prefill, the prefill (dynamic in the prompt length); weights frozen
+    in on CPU, CUDA graphs on GPU. docs/compilation.md explains the choice."""
+    mode = resolve_mode(mode, device, getattr(model, "checkpoint_path", None) is not None)
+    if not mode.startswith("stored"):  # eager products and regions run on the model's weights as they are
+        use_fast_weight_layout(model)
     if mode == "none":
         return Engine(model)
     configure_compiler(device)
+    if mode.startswith("stored"):
+        stored = StoredForward(model, device, mode)
+        model.round_cache_length = True  # a few cache lengths, so a few graphs, whatever each prompt's length
+        return Engine(model, mode, prefill=dropping_model(prefill, stored),
+                      decode_one_token=dropping_model(decode_one_token, stored), forward=stored)
     if mode == "regional":
         return compile_regions(model, compile_prefill)
     options = graph_options(model, device, mode)
@@ -215,6 +250,159 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     if compile_prefill:
         engine.prefill = torch.compile(prefill, fullgraph=True, dynamic=True, **options)
     return engine
+
+
+def dropping_model(fn, forward):
+    """fn(model, ...) run with `forward` in the model's place (it takes the model's arguments)."""
+    return lambda _model, *args, **kwargs: fn(forward, *args, **kwargs)
+
+
+class ExportedForward(torch.nn.Module):
+    """The signature a stored graph is exported with: every argument explicit, so one graph serves every caller."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, input_pos, slots, mask):
+        return self.model(idx, input_pos, slots, mask)
+
+
+# the modules whose code a stored graph holds: a change to any of them builds it again
+TRACED_MODULES = ("model", "kernels", "quantize", "decode")
+
+
+class StoredForward:
+    """model(idx, input_pos, slots, mask) through a stored AOTInductor graph: one per batch size and cache size,
+    dynamic in the number of tokens T (1: decode, the tree size: verification, the prompt: prefill).
+    The graph's KV cache is the model's own tensors (handed to it, not copied), so eager code and every graph see
+    one cache. Graphs are keyed and signed (artifacts.py): a stale or foreign one is refused with one line and
+    rebuilt. Where a graph cannot be exported, that shape is compiled in this process instead (one line says so)."""
+
+    def __init__(self, model: Transformer, device: str, mode: str):
+        self.model, self.device, self.mode = model, device, mode
+        self.options = stored_options(model, device, mode)
+        self.graphs = {}  # (batch, cache batch, cache length) -> [run(*args), bind(cache tensors) or None, bound cache]
+
+    def __call__(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                 block=None) -> Tensor:
+        model = self.model
+        if slots is None:
+            slots = input_pos
+        if mask is None:  # causal over slots, as Transformer.hidden_states makes it
+            cache_slots = torch.arange(model.max_seq_length, device=idx.device)
+            mask = cache_slots.view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
+        cache = model.layers[0].attention.kv_cache.k_cache
+        shape = (idx.shape[0], cache.shape[0], cache.shape[2])
+        if shape not in self.graphs:
+            self.graphs[shape] = [*self.load(*shape), None]
+        graph = self.graphs[shape]
+        if graph[1] is not None and graph[2] is not cache:  # new cache tensors: hand them over
+            graph[1]({name: t for name, t in model.named_buffers() if "kv_cache" in name})
+            graph[2] = cache
+        args = (idx.long(), input_pos.long(), slots.long(), mask.expand(shape[0], 1, idx.shape[1], shape[2]))
+        return graph[0](*(a.contiguous() for a in args))
+
+    def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
+        """Everything that changes the code generated for this model and shape (artifacts.py)."""
+        import artifacts
+        model = self.model
+        return {"weights": artifacts.file_identity(model.checkpoint_path), "config": dataclasses.asdict(model.args),
+                "scheme": model.quantization, "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
+                "cache": [batch, cache_batch, length, str(model.layers[0].attention.kv_cache.k_cache.dtype)],
+                "device": self.device, "mode": self.mode, "options": self.options, "machine": artifacts.machine(),
+                "sources": artifacts.sources_digest(TRACED_MODULES)}
+
+    def load(self, batch: int, cache_batch: int, length: int):
+        """(run, bind) of the stored graph for this shape: loaded if a valid one is stored, else built and stored."""
+        import artifacts
+        model = self.model
+        path = model.checkpoint_path
+        fields = self.key_fields(batch, cache_batch, length)
+        key = artifacts.key_of(fields)
+        directory = artifacts.directory_for(path)
+        name = f"{Path(path).stem}-b{batch}of{cache_batch}-s{length}-{self.mode}-{key[:16]}"
+        library, refused = artifacts.find(directory, name, key)
+        if refused:
+            print(f"refusing the stored graph {directory / name}.so: {refused}; building it again", file=sys.stderr)
+        if library is not None:
+            try:
+                return self.open(library)
+            except Exception as e:  # one this machine built but can no longer load (a system library changed)
+                print(f"refusing the stored graph {library}: it does not load ({type(e).__name__}); building it "
+                      f"again", file=sys.stderr)
+        example = self.example(batch, length)
+        what = f"the graph of {path} (batch {batch}, {length} positions, {self.mode})"
+        estimate = artifacts.build_seconds_estimate(directory, model.args.n_layer)
+        try:
+            library = with_progress(what, estimate, lambda: artifacts.store(
+                directory, name, key, fields, lambda tmp: self.export(example, length, tmp)))
+            return self.open(library)
+        except (KeyboardInterrupt, OSError, MemoryError):
+            raise
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            print(f"cannot store {what} ({type(e).__name__}: {first}); compiling it in this process instead",
+                  file=sys.stderr)
+            return torch.compile(model, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole")), None
+
+    def open(self, library: Path):
+        """Load the graph's shared library (its frozen weights inside it): run(*args) and bind(cache tensors)."""
+        runners = torch._C._aoti
+        if self.device.startswith("cuda"):
+            runner = runners.AOTIModelContainerRunnerCuda(str(library), 1, self.device)
+        else:
+            runner = runners.AOTIModelContainerRunnerCpu(str(library), 1)
+        internal = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
+
+        def bind(buffers: dict):  # use_inactive=False, check_full_update=False, user_managed=True: no copies
+            runner.update_constant_buffer({internal[f"model.{n}"]: t for n, t in buffers.items()}, False, False, True)
+        return (lambda *args: runner.run(list(args))[0]), bind
+
+    def example(self, batch: int, length: int):
+        T = min(4, length)  # not 1: export would specialize the token count on it
+        pos = torch.arange(T, device=self.device).expand(batch, T).contiguous()
+        mask = torch.arange(length, device=self.device).view(1, 1, 1, -1) <= pos.view(batch, 1, T, 1)
+        return torch.zeros(batch, T, dtype=torch.long, device=self.device), pos, pos.clone(), mask
+
+    def export(self, example, length: int, tmp: Path):
+        """Export the model for these shapes, compile it with AOTInductor, keep its one shared library at tmp."""
+        tokens = torch.export.Dim("tokens", min=1, max=length)
+        with torch.no_grad():
+            program = torch.export.export(ExportedForward(self.model), example, strict=False,
+                                          dynamic_shapes=({1: tokens}, {1: tokens}, {1: tokens}, {2: tokens}))
+            package = Path(f"{tmp}.pt2")  # the packager wants its suffix
+            try:
+                torch._inductor.aoti_compile_and_package(program, package_path=str(package),
+                                                         inductor_configs=dict(self.options))  # it adds to them
+                with zipfile.ZipFile(package) as archive:
+                    libraries = [n for n in archive.namelist() if n.endswith(".so")]
+                    if len(libraries) != 1:
+                        raise RuntimeError(f"the package holds {len(libraries)} shared libraries, not one")
+                    with archive.open(libraries[0]) as source, open(tmp, "wb") as out:
+                        shutil.copyfileobj(source, out, 1 << 24)
+            finally:
+                package.unlink(missing_ok=True)
+
+
+def with_progress(what: str, estimate, build):
+    """build() with a line on stderr now and every 15 s: what is compiling, the time so far, the estimate."""
+    start = time.perf_counter()
+    about = f", about {estimate:.0f} s" if estimate else ""
+    print(f"compiling {what} once; later runs load it{about}", file=sys.stderr, flush=True)
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(15):
+            print(f"  compiling: {time.perf_counter() - start:.0f} s{about}", file=sys.stderr, flush=True)
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        return build()
+    finally:
+        stop.set()
+        thread.join()
+        print(f"  compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def compile_regions(model: Transformer, compile_prefill: bool) -> Engine:

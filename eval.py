@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, sdpa_context
+from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, compile_engine, sdpa_context
 from errors import UserError, check_output_file, flag_names, run_cli, write_output
 from generation import Generator, check_engine_settings, load_model
 from model import ModelArgs, Transformer
@@ -134,7 +134,7 @@ def perplexity(model: Transformer, tokens: list, ctx: int, batch_size: int = 1, 
     if base is not None and base.args.vocab_size != model.args.vocab_size:
         raise UserError(f"the base has {base.args.vocab_size} tokens, the model {model.args.vocab_size}: compare "
                         f"two checkpoints of the same model")
-    engine = engine or Engine(model)
+    engine = engine or compile_engine(model, model.tok_embeddings.weight.device.type, "none")
     logits_at, targets_at = scored_span(ctx)
     # one static-shape graph where the engine compiles whole graphs; regional engines run their compiled forward
     scored = engine.compile(chunk_logits)
@@ -144,6 +144,7 @@ def perplexity(model: Transformer, tokens: list, ctx: int, batch_size: int = 1, 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model.setup_caches(batch_size, ctx)
     if base is not None:
+        compile_engine(base, base.tok_embeddings.weight.device.type, "none")  # its eager weight layout
         base.setup_caches(batch_size, ctx)
     positions = torch.arange(ctx, device=device).expand(batch_size, ctx)  # [B, ctx]
 

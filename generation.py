@@ -26,7 +26,6 @@ from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, compile_engine, 
     sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
-from kernels import use_fast_weight_layout
 from model import ModelArgs, Transformer
 from speculate import MAX_TREE_NODES, NgramDrafter, Speculator, combine_stats, format_stats, same_vocabulary
 from tokenizer import get_tokenizer
@@ -48,7 +47,7 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
     checkpoint = read_checkpoint(path)
     scheme = checkpoint.get("quantization") if isinstance(checkpoint.get("quantization"), dict) else None
     state_dict = checkpoint.get("model") if scheme else checkpoint
-    with torch.device("meta"):
+    with torch.device("meta"), no_weight_init():
         model = Transformer(args)
     if scheme:
         import quantize
@@ -77,10 +76,23 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
     if scheme:
         import quantize
         quantize.pack_for_device(model)  # int4 on the CPU: the kernel's weight layout, made after sharding
-    use_fast_weight_layout(model)
     model.quantization = scheme
     model.checkpoint_path = path  # named by errors found while running it (NaN logits)
     return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def no_weight_init():
+    """Module constructors skip their random initialisation: every weight comes from the checkpoint (and the first
+    random op on the meta device costs seconds of one-time set-up)."""
+    saved = {name: getattr(torch.nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_")}
+    for name in saved:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 @dataclass

@@ -299,11 +299,15 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_length = -1
+        self.round_cache_length = False  # stored graphs (decode.StoredForward): one per cache length, so few lengths
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None):
         """Allocate the KV cache and RoPE table once; nothing is reallocated per token."""
         if self.max_batch_size >= max_batch_size and self.max_seq_length >= max_seq_length:
             return
+        if self.round_cache_length:  # a power of two from 256, at most the context (unless more was asked for)
+            max_seq_length = max(max_seq_length, min(max(256, 1 << (max_seq_length - 1).bit_length()),
+                                                     self.args.block_size))
         dtype = dtype or self.tok_embeddings.weight.dtype
         if not dtype.is_floating_point:  # quantized embeddings keep their scales' dtype
             dtype = torch.float32

@@ -1,5 +1,6 @@
 """Shared fixtures: checkpoints the tests build themselves (random weights, a tiny tokenizer)."""
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,8 @@ import torch
 
 from helpers import train_tokenizer, write_checkpoint
 
+# stored graphs are signed with a key in the user's cache directory: tests use their own (subprocesses inherit it)
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fastgen-test-cache-")
 torch.set_num_threads(1)  # tiny models: threading only adds overhead (and contention on shared CI cores)
 
 

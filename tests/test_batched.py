@@ -74,10 +74,10 @@ def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target
     model, draft = generation.load_model(random_target), generation.load_model(near_draft)
     eager = decode.Engine(model)
     torch._dynamo.reset()
-    engine = decode.compile_engine(model, "cpu", compile_prefill=True)
+    engine = decode.compile_engine(model, "cpu", "whole", compile_prefill=True)
     model.setup_caches(len(BATCH), model.args.block_size)  # once for every kind, as generate.main does for a run
     for kind, (draft_name, k, nodes, ngram) in KINDS.items():
-        draft_engine = decode.compile_engine(draft, "cpu") if draft_name else None
+        draft_engine = decode.compile_engine(draft, "cpu", "whole") if draft_name else None
         speculation = generation.Speculation(k, nodes, ngram)
         drafter = generation.make_speculator(speculation, draft_engine, model.args.block_size)
         before, after = check_rows(engine, eager, drafter)

@@ -165,12 +165,12 @@ def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
 
     monkeypatch.setattr(crossdraft, "verify_step", verify_step)
     monkeypatch.setattr(crossdraft.CrossTokenizerSpeculator, "draft", draft)
-    got = speculative(random_target, noisy_draft, 4, "--compile", "--ignore_eos")
+    got = speculative(random_target, noisy_draft, 4, "--compile", "whole", "--ignore_eos")
     assert tokens(got) == plain_greedy(random_target)[:29] and sum(got["accept_counts"][1:]) > 0
     assert set(sizes) <= {5, 9} and 5 in sizes, sizes
     assert any(0 < n <= crossdraft.CATCH_UP_STEPS for n in catch_ups), catch_ups  # test_compiled_catch_up
     sizes.clear()
-    speculative(random_target, noisy_draft, 4, "--compile", "--temperature", "0.8", "--ignore_eos")
+    speculative(random_target, noisy_draft, 4, "--compile", "whole", "--temperature", "0.8", "--ignore_eos")
     assert set(sizes) == {5}, sizes
 
 
@@ -263,7 +263,7 @@ def test_compiled_catch_up_writes_what_an_eager_forward_writes(random_target, no
     """A few accepted tokens the draft has not read go through its compiled one-token graph (CATCH_UP_STEPS), more
     through one eager forward: the draft's cache and its next chain come out the same either way."""
     target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
-    drafters = [cross_drafter(random_target, noisy_draft, 3, m) for m in ("auto", "none")]
+    drafters = [cross_drafter(random_target, noisy_draft, 3, m) for m in ("whole", "none")]
     prompt = target_tok.encode_prompt("def main(x):")
     new = draft_tok.encode_continuation(" return x + 1")[: crossdraft.CATCH_UP_STEPS + 1]
     assert len(new) == crossdraft.CATCH_UP_STEPS + 1  # the tokens to catch up on, then the next root

@@ -42,26 +42,24 @@ def test_regional_compilation_compiles_one_block_for_all_layers():
     assert counters["stats"]["unique_graphs"] == 2
 
 
-def test_auto_compile_mode_follows_depth():
-    """On CPU shallow models (tiny targets, drafts) compile whole, deep ones regionally; CUDA always whole; the
-    other modes are kept as asked, and an unknown one is refused with one line."""
-    limit = decode.WHOLE_GRAPH_MAX_LAYERS
-    assert decode.resolve_mode("auto", "cpu", limit) == "whole"
-    assert decode.resolve_mode("auto", "cpu", limit + 1) == "regional"
-    assert decode.resolve_mode("whole", "cpu", limit + 1) == "whole"
-    assert decode.resolve_mode("regional", "cpu", 2) == "regional"
-    assert decode.resolve_mode("autotune", "cpu", 40) == "autotune"
-    assert decode.resolve_mode("auto", "cuda", 40) == "whole"
+def test_auto_compile_mode_stores_graphs_of_checkpoints():
+    """auto and autotune store their graphs for a model loaded from a file (no tensor parallelism); a model built in
+    code has no place to store them and compiles regionally on CPU, whole on CUDA; the other modes are kept as
+    asked, and an unknown one is refused with one line."""
+    assert decode.resolve_mode("auto", "cpu") == "stored"
+    assert decode.resolve_mode("autotune", "cpu") == "stored-autotune"
+    assert decode.resolve_mode("auto", "cuda") == "stored"
+    assert decode.resolve_mode("auto", "cpu", storable=False) == "regional"
+    assert decode.resolve_mode("auto", "cuda", storable=False) == "whole"
+    assert decode.resolve_mode("autotune", "cpu", storable=False) == "autotune"
+    assert decode.resolve_mode("whole", "cpu") == "whole"
+    assert decode.resolve_mode("regional", "cpu") == "regional"
     with pytest.raises(UserError, match="fastest"):
-        decode.resolve_mode("fastest", "cpu", 2)
-    deep = Transformer(ModelArgs(dim=32, n_layer=limit + 1, n_head=2, vocab_size=64, block_size=32))
-    shallow = Transformer(ModelArgs(dim=32, n_layer=2, n_head=2, vocab_size=64, block_size=32))
-    # a whole-graph engine's forward is the compiled model; a regional one runs the model with the compiled block
-    whole = torch._dynamo.eval_frame.OptimizedModule
-    assert not isinstance(decode.compile_engine(deep, "cpu").forward, whole)
-    assert isinstance(decode.compile_engine(shallow, "cpu").forward, whole)
-    assert decode.compile_engine(deep, "cpu").mode == "regional"
-    assert decode.compile_engine(shallow, "cpu").mode == "whole"
+        decode.resolve_mode("fastest", "cpu")
+    in_code = Transformer(ModelArgs(dim=32, n_layer=2, n_head=2, vocab_size=64, block_size=32))
+    # a regional engine runs the model with the compiled block, not a compiled model
+    assert not isinstance(decode.compile_engine(in_code, "cpu").forward, torch._dynamo.eval_frame.OptimizedModule)
+    assert decode.compile_engine(in_code, "cpu").mode == "regional"
 
 
 @pytest.mark.parametrize("mode", ["regional", pytest.param("whole", marks=pytest.mark.slow)])
@@ -150,11 +148,11 @@ def test_compile_engine_skips_inductors_vector_isa_probe(random_target, monkeypa
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
     monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
     decode.configure_compiler.cache_clear()  # applied once per process: apply it again
-    decode.compile_engine(model, "cpu")
+    decode.compile_engine(model, "cpu", "whole")
     vector_cpu = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     assert inductor_config.cpp.vec_isa_ok is (True if vector_cpu else None)
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
     monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "1")
     decode.configure_compiler.cache_clear()
-    decode.compile_engine(model, "cpu")
+    decode.compile_engine(model, "cpu", "whole")
     assert inductor_config.cpp.vec_isa_ok is None  # left to inductor, which reads the variable itself

@@ -150,7 +150,7 @@ def test_compiled_equals_eager_without_recompiling(random_target):
              for p, n in zip(prompts, lengths)]
     torch._dynamo.reset()
     counters.clear()
-    engine = decode.compile_engine(model, "cpu", compile_prefill=True)
+    engine = decode.compile_engine(model, "cpu", "whole", compile_prefill=True)
     warm = generation.generate(engine, prompts[0], 4, decode.Sampling(), [], stop_at_eos=False)[0]
     graphs = counters["stats"]["unique_graphs"]
     compiled = [generation.generate(engine, p, n, decode.Sampling(), [], stop_at_eos=False)[0]
@@ -163,10 +163,8 @@ def test_compiled_equals_eager_without_recompiling(random_target):
 
 @pytest.mark.slow
 def test_cli_compile_flag_reports_compile_time(random_target):
-    stats = run(random_target, "--ignore_eos", "--compile", n=6)
-    assert stats["compile"] is True and stats["compile_seconds"] > 0
-    shallow = generation.load_model(random_target).args.n_layer <= decode.WHOLE_GRAPH_MAX_LAYERS
-    assert stats["compile_mode"] == ("whole" if shallow else "regional")
+    stats = run(random_target, "--ignore_eos", "--compile", "whole", n=6)
+    assert stats["compile"] is True and stats["compile_seconds"] > 0 and stats["compile_mode"] == "whole"
     plain = run(random_target, "--ignore_eos", n=6)
     assert stats["samples"][0]["tokens"] == plain["samples"][0]["tokens"] and plain["compile_mode"] == "none"
 
@@ -241,7 +239,7 @@ def test_rows_of_different_prompts_equal_each_prompt_alone(random_target, compil
     want = [generation.truncate_at_eos(row, {eos}) for row in alone]
     torch._dynamo.reset()
     counters.clear()
-    engine = decode.compile_engine(model, "cpu", compile_prefill=True) if compiled else eager
+    engine = decode.compile_engine(model, "cpu", "whole", compile_prefill=True) if compiled else eager
     got, _ = generation.generate(engine, [list(p) for p in BATCH], 16, decode.Sampling(), [eos])
     assert got == want and len(got[2]) <= 6
     graphs = counters["stats"]["unique_graphs"]

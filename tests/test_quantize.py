@@ -251,7 +251,7 @@ def test_generate_loads_quantized_checkpoint_by_path(mode, groupsize, target, tm
 def test_compiled_quantized_equals_eager(mode, groupsize, target):
     path = quantized_file(target, mode, groupsize)
     eager = run(path, n=8)
-    compiled = run(path, "--compile", n=8)
+    compiled = run(path, "--compile", "whole", n=8)
     assert compiled["compile"] is True and compiled["quantization"] == mode
     assert compiled["samples"][0]["tokens"] == eager["samples"][0]["tokens"]
 

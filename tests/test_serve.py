@@ -427,7 +427,7 @@ def launch(checkpoint, *flags):
 
 @pytest.mark.slow
 def test_compiled_graphs_are_never_rebuilt_after_warm_up(random_target, library):
-    process, running = launch(random_target, "--max_batch_size", 2, "--compile", "--draft_ngram", 3,
+    process, running = launch(random_target, "--max_batch_size", 2, "--compile", "whole", "--draft_ngram", 3,
                               "--speculate_k", 4)
     try:
         graphs = running.metric("fastgen_compiled_graphs")

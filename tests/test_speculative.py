@@ -93,7 +93,7 @@ def test_speculate_k_auto(random_target, near_draft, trained_pair):
 @pytest.mark.slow
 def test_compiled_greedy_identical(random_target, near_draft):
     torch._dynamo.reset()
-    got = speculative(random_target, near_draft, 3, "--ignore_eos", "--compile", n=12)
+    got = speculative(random_target, near_draft, 3, "--ignore_eos", "--compile", "whole", n=12)
     assert got["compile"] is True and got["compile_seconds"] > 0
     assert tokens(got) == plain_greedy(random_target)[:12]
 

@@ -179,7 +179,7 @@ def test_compiled_tensor_parallel_equals_eager_single_process(tokenizer_model, t
     checkpoint = write_checkpoint(tmp_path / "one_layer", tokenizer_model, seed=3, dim=64, n_layer=1, n_head=4,
                                   n_local_heads=2, vocab_size=512, block_size=64)
     want = single_process(checkpoint, "--temperature", 0, n=6)
-    got, _ = tensor_parallel(tmp_path, checkpoint, "--temperature", 0, "--compile", n=6)
+    got, _ = tensor_parallel(tmp_path, checkpoint, "--temperature", 0, "--compile", "whole", n=6)
     assert got["compile"] is True and got["compile_seconds"] > 0
     assert tokens(got) == tokens(want)
 

@@ -1,0 +1,151 @@
+"""Stored compiled graphs: where they live, what keys them, and why loading one is safe.
+
+A stored graph is the shared library AOTInductor compiles (its code and frozen weights), so loading one runs
+native code.
+Two rules keep that safe and correct:
+- Keyed: its name and its metadata carry a hash of everything that changes the code generated (the weights file's
+  identity, the config, the dtypes and quantization scheme, the shapes, the compile options, the torch version, the
+  CPU's vector ISA and thread count, and the source of the modules traced). Any difference means another key: the
+  old artifact is never used and the new one replaces it.
+- Signed: the metadata holds an HMAC of the library's SHA-256 under a random key kept in the user's own cache
+  directory (0600). An artifact this user's machine did not build (copied in with a checkpoint, or written by
+  someone else into a shared directory) has no valid signature and is rebuilt, never loaded.
+"""
+import hashlib
+import importlib
+import hmac
+import json
+import os
+import platform
+import secrets
+import time
+from pathlib import Path
+
+import torch
+
+from errors import write_atomically
+
+SAMPLE_BYTES, SAMPLES = 1 << 16, 16  # a weights file's content hash reads this many evenly spaced chunks
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastgen"
+
+
+def signing_key() -> bytes:
+    """This user's artifact key, created on first use (readable by the user only)."""
+    path = cache_home() / "artifact.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it first
+            pass
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+    if path.stat().st_uid != os.getuid() or path.stat().st_mode & 0o077:
+        raise PermissionError(f"{path} must belong to this user and be readable by it alone (chmod 600)")
+    return path.read_bytes()
+
+
+def file_identity(path) -> dict:
+    """Size, modification time and a hash of evenly spaced chunks of a weights file: another model of the same
+    shape, or a re-converted one, gets another identity without reading all of it."""
+    path = Path(path)
+    stat = path.stat()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for i in range(SAMPLES + 1):
+            f.seek(max(0, stat.st_size - SAMPLE_BYTES) * i // SAMPLES)
+            digest.update(f.read(SAMPLE_BYTES))
+    return {"file": path.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sample_sha256": digest.hexdigest()}
+
+
+def sources_digest(modules) -> str:
+    """The source of the modules whose code is traced into a graph: a change to any of them is another graph."""
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(Path(importlib.import_module(module).__file__).read_bytes())
+    return digest.hexdigest()
+
+
+def machine() -> dict:
+    """What the generated code depends on besides the model: torch, the CPU's vector ISA, threads, the GPU."""
+    out = {"torch": torch.__version__, "python": platform.python_version(), "arch": platform.machine(),
+           "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        out["cuda"] = [torch.version.cuda, torch.cuda.get_device_name(), list(torch.cuda.get_device_capability())]
+    return out
+
+
+def key_of(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def signature(library, key: str) -> str:
+    return hmac.new(signing_key(), f"{key}:{file_sha256(library)}".encode(), hashlib.sha256).hexdigest()
+
+
+def directory_for(checkpoint_path) -> Path:
+    """compiled/ beside the checkpoint, or (a read-only checkpoint directory) a per-checkpoint directory in the
+    user's cache."""
+    beside = Path(checkpoint_path).parent / "compiled"
+    if os.access(beside if beside.exists() else beside.parent, os.W_OK):
+        return beside
+    name = hashlib.sha256(str(Path(checkpoint_path).resolve()).encode()).hexdigest()[:16]
+    return cache_home() / "compiled" / name
+
+
+def find(directory: Path, name: str, key: str):
+    """The stored library `name` if it exists, was built for `key` and carries this user's signature: (path,
+    None); else (None, why it cannot be used, or None when there is none)."""
+    library, meta_path = directory / f"{name}.so", directory / f"{name}.json"
+    if not library.exists() or not meta_path.exists():
+        return None, None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None, "its metadata is unreadable"
+    if not isinstance(meta, dict) or meta.get("key") != key:
+        return None, "it was built for other weights, options or software"
+    if not hmac.compare_digest(str(meta.get("signature", "")), signature(library, key)):
+        return None, "it was not built on this machine by this user, or it was changed since"
+    return library, None
+
+
+def store(directory: Path, name: str, key: str, fields: dict, build) -> Path:
+    """Build the library into a temp file beside its final name (`build(path)`), then publish it and its signed
+    metadata; other libraries of the same name stem (older keys) are removed. Returns the library's path."""
+    library, meta_path = directory / f"{name}.so", directory / f"{name}.json"
+    start = time.perf_counter()
+    write_atomically(library, build)
+    meta = {"key": key, "fields": fields, "build_seconds": round(time.perf_counter() - start, 1),
+            "bytes": library.stat().st_size, "signature": signature(library, key)}
+    write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=str)))
+    stem = name.rsplit("-", 1)[0]
+    for old in directory.glob(f"{stem}-*.json"):
+        if old.stem != name:
+            old.with_suffix(".so").unlink(missing_ok=True)
+            old.unlink(missing_ok=True)
+    return library
+
+
+def build_seconds_estimate(directory: Path, n_layer: int):
+    """Seconds a build will take, from earlier builds here (per layer), or None."""
+    rates = []
+    for meta_path in directory.glob("*.json") if directory.exists() else []:
+        try:
+            meta = json.loads(meta_path.read_text())
+            rates.append(meta["build_seconds"] / meta["fields"]["config"]["n_layer"])
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            continue
+    return max(rates) * n_layer if rates else None

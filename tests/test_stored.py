@@ -1,0 +1,165 @@
+"""Stored compiled graphs (decode.StoredForward, artifacts.py): the same tokens as eager and in-process compiled
+engines, loaded by a later engine without building, and never used when anything in their key changed, when they
+are truncated, or when someone else wrote them."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import artifacts
+import decode
+import generation
+from helpers import write_checkpoint
+
+def greedy(engine, prompt=(1, 5, 9, 2, 7), n=12):
+    rows, _ = generation.generate(engine, torch.tensor(prompt), n, decode.Sampling(), [], stop_at_eos=False)
+    return rows[0]
+
+
+def stored_engine(path):
+    model = generation.load_model(path)
+    engine = decode.compile_engine(model, "cpu", "auto")
+    assert engine.mode == "stored"
+    return engine
+
+
+def built(capsys) -> bool:
+    return "compiling the graph of" in capsys.readouterr().err
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tokenizer_model):
+    return write_checkpoint(tmp_path / "micro", tokenizer_model, seed=3, dim=32, n_layer=1, n_head=2,
+                            vocab_size=512, block_size=64)
+
+
+@pytest.mark.slow  # each build is a C++ compile of the whole model
+def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(checkpoint, capsys):
+    """Built once, stored beside the checkpoint; a new engine (as in a new process) loads it and decodes, verifies
+    and prefills exactly what eager and in-process compiled engines do; a truncated package is refused with one
+    line and rebuilt."""
+    eager = greedy(decode.Engine(generation.load_model(checkpoint)))
+    whole = greedy(decode.compile_engine(generation.load_model(checkpoint), "cpu", "whole"))
+    assert greedy(stored_engine(checkpoint)) == eager == whole
+    assert built(capsys)
+    packages = list((checkpoint.parent / "compiled").glob("*.so"))
+    assert len(packages) == 1 and json.loads(packages[0].with_suffix(".json").read_text())["signature"]
+    engine = stored_engine(checkpoint)
+    assert greedy(engine, prompt=(3, 4)) == greedy(decode.Engine(generation.load_model(checkpoint)), prompt=(3, 4))
+    assert not built(capsys)
+
+    # verification shapes (a tree under an explicit mask) through the same graph
+    model = generation.load_model(checkpoint)
+    model.setup_caches(1, 64)
+    engine.model.setup_caches(1, 64)
+    x = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    pos = torch.tensor([[0, 1, 2, 2, 3, 3]])
+    slots = torch.arange(6).view(1, 6)
+    mask = torch.zeros(1, 1, 6, engine.model.max_seq_length, dtype=torch.bool)
+    for i, parent in enumerate([None, 0, 1, 1, 2, 3]):
+        mask[0, 0, i, i] = True
+        if parent is not None:
+            mask[0, 0, i] |= mask[0, 0, parent]
+    with torch.no_grad():
+        expected = model(x, pos, slots, mask[..., :model.max_seq_length])
+        torch.testing.assert_close(engine.forward(x, pos, slots, mask), expected, rtol=1e-4, atol=1e-4)
+
+    data = packages[0].read_bytes()
+    packages[0].unlink()  # a new file: this process still maps the one it loaded
+    packages[0].write_bytes(data[: len(data) // 2])
+    assert greedy(stored_engine(checkpoint)) == eager
+    err = capsys.readouterr().err
+    assert "refusing the stored graph" in err and "compiling the graph of" in err
+
+
+@pytest.mark.slow
+def test_cli_compile_stores_then_loads(checkpoint, tmp_path):
+    """generate.py --compile: the first run builds and says so; the second loads (no build line) and decodes the
+    eager tokens; scripts/compile_model.py finds the graph already there."""
+    from helpers import ROOT, run
+    plain = run(checkpoint, "--ignore_eos", "--temperature", "0", n=8)
+    first = run(checkpoint, "--ignore_eos", "--temperature", "0", "--compile", n=8)
+    second = run(checkpoint, "--ignore_eos", "--temperature", "0", "--compile", n=8)
+    assert first["compile_mode"] == second["compile_mode"] == "stored"
+    assert plain["samples"][0]["tokens"] == first["samples"][0]["tokens"] == second["samples"][0]["tokens"]
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/compile_model.py"), "--checkpoint_path", str(checkpoint),
+                           "--max_tokens", "64", "--speculate_k", "2", "--draft_ngram", "2"],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    assert "compiling the graph of" not in done.stderr and "stored in" in done.stdout
+
+
+def key_for(path, **change):
+    """The key StoredForward computes for `path`'s model, after `change` (threads, torch, mode)."""
+    model = generation.load_model(path)
+    model.setup_caches(1, 64)
+    forward = decode.StoredForward(model, "cpu", change.get("mode", "stored"))
+    return artifacts.key_of(forward.key_fields(1, 1, 64))
+
+
+def test_every_key_component_changes_the_key(checkpoint, tmp_path, monkeypatch):
+    """Weights (another model of the same shape, or the same file re-written), options, thread count and torch
+    version each give another key: the stored graph of the old one is never found."""
+    base = key_for(checkpoint)
+    assert key_for(checkpoint) == base
+    other = write_checkpoint(tmp_path / "other", checkpoint.parent / "tokenizer.model", seed=4, dim=32, n_layer=1,
+                             n_head=2, vocab_size=512, block_size=64)
+    assert key_for(other) != base
+    assert key_for(checkpoint, mode="stored-autotune") != base
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert key_for(checkpoint) != base
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert key_for(checkpoint) != base
+    monkeypatch.undo()
+    state = torch.load(checkpoint, weights_only=True)
+    state["norm.weight"] = state["norm.weight"] * 2
+    torch.save(state, checkpoint)
+    assert key_for(checkpoint) != base
+
+
+def test_find_refuses_foreign_stale_and_truncated_packages(tmp_path, monkeypatch):
+    """find() returns a package only with its key and this user's signature: one signed under another user's key
+    (copied in with a checkpoint), one built for another key, one changed after signing are all refused."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "mine"))
+    directory = tmp_path / "compiled"
+    artifacts.store(directory, "model-b1-k", "KEY", {"x": 1}, lambda tmp: tmp.write_bytes(b"package" * 100))
+    assert artifacts.find(directory, "model-b1-k", "KEY") == (directory / "model-b1-k.so", None)
+    assert artifacts.find(directory, "model-b1-k", "OTHER")[1] == "it was built for other weights, options or software"
+    assert artifacts.find(directory, "missing", "KEY") == (None, None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "someone else"))
+    assert "not built on this machine" in artifacts.find(directory, "model-b1-k", "KEY")[1]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "mine"))
+    package = directory / "model-b1-k.so"
+    package.write_bytes(package.read_bytes()[:50])
+    assert "not built on this machine" in artifacts.find(directory, "model-b1-k", "KEY")[1]
+    # a newer key for the same graph replaces the old package (no growing pile of stale graphs)
+    artifacts.store(directory, "model-b1-k2", "KEY2", {"x": 2}, lambda tmp: tmp.write_bytes(b"new"))
+    assert sorted(p.name for p in directory.iterdir()) == ["model-b1-k2.json", "model-b1-k2.so"]
+    key = tmp_path / "mine" / "fastgen" / "artifact.key"
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    os.chmod(key, 0o644)
+    with pytest.raises(PermissionError):
+        artifacts.signing_key()
+
+
+def test_read_only_checkpoint_directory_stores_in_the_users_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    assert artifacts.directory_for(directory / "model.pth") == directory / "compiled"
+    os.chmod(directory, 0o555)
+    try:
+        if os.access(directory, os.W_OK):  # root writes anywhere
+            pytest.skip("this user can write to read-only directories")
+        assert artifacts.directory_for(directory / "model.pth").is_relative_to(tmp_path / "cache")
+    finally:
+        os.chmod(directory, 0o755)
+    shutil.rmtree(directory)
