@@ -71,12 +71,9 @@ def sources_digest(modules) -> str:
 
 
 def machine() -> dict:
-    """What the generated code depends on besides the model: torch, the CPU's vector ISA, threads, the GPU."""
-    out = {"torch": torch.__version__, "python": platform.python_version(), "arch": platform.machine(),
-           "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        out["cuda"] = [torch.version.cuda, torch.cuda.get_device_name(), list(torch.cuda.get_device_capability())]
-    return out
+    """What the generated code depends on besides the model: torch, the CPU's vector ISA, threads."""
+    return {"torch": torch.__version__, "python": platform.python_version(), "arch": platform.machine(),
+            "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
 def key_of(fields: dict) -> str:

@@ -117,13 +117,14 @@ CPP_GEMM_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
 def resolve_mode(mode: str, device: str, storable: bool = True) -> str:
-    """The compile mode a model gets: "auto" and "autotune" are stored graphs (built once, kept beside the
+    """The compile mode a model gets: on CPU "auto" and "autotune" are stored graphs (built once, kept beside the
     checkpoint; "autotune" times every matmul's candidates) for a model loaded from a file outside tensor
-    parallelism; otherwise "auto" is the whole graph on CUDA and regional compilation on CPU."""
+    parallelism. Otherwise "auto" is the whole graph on CUDA (replayed as a CUDA graph, which stored AOTInductor
+    graphs are not, and their loader crashed on the GPU measured: BENCHMARKS.md) and regional compilation on CPU."""
     if mode not in COMPILE_MODES:
         raise UserError(f"`compile` mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if mode in ("auto", "autotune") and storable and not distributed:
+    if mode in ("auto", "autotune") and storable and not distributed and not device.startswith("cuda"):
         return "stored" if mode == "auto" else "stored-autotune"
     if mode == "auto":
         return "whole" if device.startswith("cuda") else "regional"
@@ -142,12 +143,9 @@ def graph_options(model: Transformer, device: str, mode: str) -> dict:
     return {}
 
 
-def stored_options(model: Transformer, device: str, mode: str) -> dict:
-    """Inductor's settings for a stored graph: on CPU the weights frozen in, with the C++ GEMM templates for float
-    weights (every candidate timed for "stored-autotune"); on CUDA coordinate-descent tuned Triton kernels."""
-    if device.startswith("cuda"):
-        return {"coordinate_descent_tuning": True, "max_autotune": mode == "stored-autotune",
-                "aot_inductor.embed_kernel_binary": True}  # the kernels inside the one shared library
+def stored_options(model: Transformer, mode: str) -> dict:
+    """Inductor's settings for a stored CPU graph: the weights frozen in, with the C++ GEMM templates for float
+    weights (every candidate timed for "stored-autotune")."""
     options = {"freezing": True}
     if mode == "stored-autotune":
         options["max_autotune"] = True
@@ -281,7 +279,7 @@ class StoredForward:
 
     def __init__(self, model: Transformer, device: str, mode: str):
         self.model, self.device, self.mode = model, device, mode
-        self.options = stored_options(model, device, mode)
+        self.options = stored_options(model, mode)
         self.graphs = {}  # (batch, cache batch, cache length) -> [run(*args), bind(cache tensors) or None, bound cache]
 
     def __call__(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None, mask: Optional[Tensor] = None,
@@ -347,12 +345,9 @@ class StoredForward:
             return torch.compile(model, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole")), None
 
     def open(self, library: Path):
-        """Load the graph's shared library (its frozen weights inside it): run(*args) and bind(cache tensors)."""
-        runners = torch._C._aoti
-        if self.device.startswith("cuda"):
-            runner = runners.AOTIModelContainerRunnerCuda(str(library), 1, self.device)
-        else:
-            runner = runners.AOTIModelContainerRunnerCpu(str(library), 1)
+        """Load a stored graph (its frozen weights inside it): run(*args) and bind(cache tensors).
+        The library itself: loading the package would unzip it to a temp directory first, five times slower."""
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
         internal = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
 
         def bind(buffers: dict):  # use_inactive=False, check_full_update=False, user_managed=True: no copies

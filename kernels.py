@@ -43,7 +43,9 @@ def onednn_is_faster(out_features: int, in_features: int) -> bool:
     milliseconds): the best of 7 turns of 5 calls each, the two taking turns."""
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
-    weight, x = torch.randn(out_features, in_features), torch.randn(PACK_ROWS, in_features)
+    generator = torch.Generator().manual_seed(0)  # not the global one: timing must not change what a seed samples
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(PACK_ROWS, in_features, generator=generator)
     packed = pack_weight(weight)
     candidates = {"packed": lambda: packed_linear(x, packed), "baseline": lambda: F.linear(x, weight)}
     best = dict.fromkeys(candidates, float("inf"))
