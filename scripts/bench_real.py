@@ -8,11 +8,17 @@ transformers' generate() (plain and prompt_lookup_num_tokens) and llama.cpp on t
 
 Configurations take turns run by run (best of --repeats after a warm-up), so a machine slowing down
 hurts them alike. Greedy, exactly --new_tokens tokens after a chat-formatted question; the first run of
-each of our configurations compiles, and its time is reported as compile seconds (cold: a fresh inductor
-cache directory unless --warm_cache).
+each of our configurations compiles (stored graphs: builds them, or loads them when stored), and its time is
+reported as setup seconds (in-process graphs cold: a fresh inductor cache directory unless --warm_cache;
+--fresh_graphs removes the stored graphs first, so setup is their build). For configurations with stored graphs,
+launch_s is a new process's `generate.py --compile` from launch to exit after one new token (an upper bound on
+launch to first token, the stored graphs loaded). x_llama_same_bits: int8 against llama.cpp Q8_0, int4 against
+Q4_1, the rest against llama.cpp's fastest.
 """
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,11 +38,11 @@ QUESTIONS = ["What is the capital of France? Answer in two sentences.",
              "Explain what a KV cache is in a transformer, briefly."]
 
 
-def ours(model, draft_model=None, k=5, nodes=None, ngram=0, compiled=True, autotune=False):
+def ours(model, draft_model=None, k=5, nodes=None, ngram=0, compiled=True, autotune=False, mode="auto"):
     """A run function for one of our configurations: target and draft compiled in one mode (generate.py's
-    --compile: auto, regional for a deep model; or --compile autotune: autotuned whole graphs; the target's prefill
-    too) or eager."""
-    mode = ("autotune" if autotune else "auto") if compiled else "none"
+    --compile: auto, stored graphs; --compile autotune: stored graphs with every matmul timed; or `mode`) or
+    eager."""
+    mode = ("autotune" if autotune else mode) if compiled else "none"
     engine = decode.compile_engine(model, "cpu", mode, compile_prefill=compiled)
     draft = decode.compile_engine(draft_model, "cpu", mode) if draft_model is not None else None
     speculator = generation.make_speculator(generation.Speculation(k, nodes, ngram), draft, model.args.block_size)
@@ -75,6 +81,19 @@ def llama_cpp_run(gguf: Path, threads: int):
     return run, {}
 
 
+def launch_seconds(model_pth: Path, draft_pth=None, k=5, ngram=0) -> float:
+    """A new process's generate.py --compile from launch to exit, one new token after a chat question."""
+    argv = [sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(model_pth), "--compile", "--chat",
+            "--prompt", QUESTIONS[0], "--max_new_tokens", "1", "--num_samples", "1", "--temperature", "0"]
+    if draft_pth is not None:
+        argv += ["--draft_checkpoint_path", str(draft_pth), "--speculate_k", str(k)]
+    if ngram:
+        argv += ["--draft_ngram", str(ngram), "--speculate_k", str(k)]
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
 def requantized_q8_0(gguf: Path) -> Path:
     """A Q8_0 copy of a GGUF, for llama.cpp's 8-bit column when only a 4-bit file is at hand: llama.cpp
     dequantizes each tensor and quantizes it again (8.5 bits a weight: the bytes and kernels of a native Q8_0
@@ -101,6 +120,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch and llama.cpp threads (default: every core)")
     p.add_argument("--warm_cache", action="store_true", help="keep inductor's cache (default: cold compile)")
     p.add_argument("--no_compile", action="store_true", help="our configurations eager (no compile time)")
+    p.add_argument("--fresh_graphs", action="store_true", help="remove the stored graphs first (setup = their build)")
     p.add_argument("--only", default="", help="semicolon-separated configuration names to run (default: all)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/real.json")
     args = p.parse_args(argv)
@@ -121,9 +141,16 @@ def main(argv=None):
     compiled = not args.no_compile
     int4_pth = benchlib.quantized_checkpoint(model_pth, "int4", 32)
     int8_pth = benchlib.quantized_checkpoint(model_pth, "int8")
+    if args.fresh_graphs:
+        shutil.rmtree(args.checkpoint_dir / "compiled", ignore_errors=True)
+    launches = {"ours fp32": (model_pth,), "ours int8": (int8_pth,), "ours int4 g32": (int4_pth,),
+                "ours fp32, int4 draft chain K=5": (model_pth, int4_pth, 5),
+                "ours fp32, 3-gram K=5": (model_pth, None, 5, 3)}
 
     configs = {  # name -> a function building (run, stats); built lazily, in turn order
         "ours fp32": lambda: ours(load(model_pth), compiled=compiled),
+        "ours fp32 regional": lambda: ours(load(model_pth), compiled=compiled, mode="regional"),
+        "ours fp32 whole": lambda: ours(load(model_pth), compiled=compiled, mode="whole"),
         "ours bf16": lambda: ours(load(model_pth, precision=torch.bfloat16), compiled=compiled),
         "ours int8": lambda: ours(load(int8_pth), compiled=compiled),
         "ours int4 g32": lambda: ours(load(int4_pth), compiled=compiled),
@@ -132,7 +159,7 @@ def main(argv=None):
                                                             compiled=compiled),
         "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled),
         "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4, compiled=compiled),
-        # --compile autotune: whole graphs, every matmul shape timed against inductor's C++ GEMM templates
+        # --compile autotune: stored graphs, every matmul shape timed against inductor's C++ GEMM templates
         "ours fp32 autotune": lambda: ours(load(model_pth), compiled=compiled, autotune=True),
         "ours int8 autotune": lambda: ours(load(int8_pth), compiled=compiled, autotune=True),
         "ours int4 g32 autotune": lambda: ours(load(int4_pth), compiled=compiled, autotune=True),
@@ -175,6 +202,8 @@ def main(argv=None):
         tps = len(prompts) * args.new_tokens / sum(best[name])
         plain = plain or (tps if name == "ours fp32" else None)
         row = {"config": name, "tokens_per_sec": tps, "setup_seconds": compile_seconds[name]}
+        if compiled and name in launches:  # after the timed runs: nothing else runs beside it
+            row["launch_s"] = launch_seconds(*launches[name])
         if stats.get("accept_counts"):
             row["tokens_per_target_forward"] = stats["tokens_per_target_forward"]
         elif "model_bytes" in stats:  # plain decode: one read of the weights per token
@@ -184,15 +213,19 @@ def main(argv=None):
             row["same_as_ours_fp32"] = outputs[name] == outputs["ours fp32"]
         rows.append(row)
     reference = next((r["tokens_per_sec"] for r in rows if r["config"] == "transformers fp32"), None)
-    llama = next((r["tokens_per_sec"] for r in rows if r["config"].startswith("llama.cpp")), None)
+    peers = {r["config"].split()[1]: r["tokens_per_sec"] for r in rows if r["config"].startswith("llama.cpp")}
+    llama = max(peers.values(), default=None)
     for row in rows:
         row["x_ours_fp32"] = row["tokens_per_sec"] / plain if plain else None
         row["x_transformers_fp32"] = row["tokens_per_sec"] / reference if reference else None
         row["x_llama_cpp"] = row["tokens_per_sec"] / llama if llama else None
+        same_bits = peers.get("Q8_0" if "int8" in row["config"].split(",")[0] else
+                              "Q4_1" if "int4" in row["config"].split(",")[0] else None)
+        row["x_llama_same_bits"] = row["tokens_per_sec"] / same_bits if same_bits else row["x_llama_cpp"]
     print()
     benchlib.print_table(rows, ["config", "tokens_per_sec", "gbs", "pct_read_bw", "x_ours_fp32", "x_transformers_fp32",
-                                "x_llama_cpp",
-                                "tokens_per_target_forward", "same_as_ours_fp32", "setup_seconds"])
+                                "x_llama_cpp", "x_llama_same_bits",
+                                "tokens_per_target_forward", "same_as_ours_fp32", "setup_seconds", "launch_s"])
     benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": rows,
                                     "bandwidth": bandwidth,
                                     "settings": {k: str(v) for k, v in vars(args).items()}})

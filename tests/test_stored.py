@@ -163,3 +163,21 @@ def test_read_only_checkpoint_directory_stores_in_the_users_cache(tmp_path, monk
     finally:
         os.chmod(directory, 0o755)
     shutil.rmtree(directory)
+
+
+@pytest.mark.slow
+def test_speculative_decoding_on_stored_graphs_equals_plain(checkpoint, tmp_path):
+    """A draft model (chain and tree) and n-gram lookups verified through the stored graphs (every verification
+    width through the one dynamic graph, the draft's graph too) give plain greedy decoding's tokens."""
+    from helpers import copy_checkpoint
+    draft = copy_checkpoint(checkpoint, tmp_path / "draft", noise=0.02, seed=5)
+    prompt = [1, 5, 9, 2, 7, 5, 9, 2]
+    plain = generation.Generator.build(checkpoint).generate(prompt, 24, decode.Sampling(), stop_at_eos=False)[0]
+    for draft_path, speculation in ((draft, generation.Speculation(3)), (draft, generation.Speculation(3, 6)),
+                                    (None, generation.Speculation(3, draft_ngram=2))):
+        generator = generation.Generator.build(checkpoint, draft_checkpoint_path=draft_path, speculation=speculation,
+                                               compile="auto")
+        assert generator.target.mode == "stored"
+        rows, stats = generator.generate(prompt, 24, decode.Sampling(), stop_at_eos=False)
+        assert rows == plain, speculation
+        assert draft_path is None or sum(stats["accept_counts"][1:]) > 0  # drafts were accepted: verification ran
