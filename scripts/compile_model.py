@@ -70,7 +70,7 @@ def main():
         import artifacts
         directory = artifacts.directory_for(row["model"])
         stem = f"{Path(row['model']).stem}-b{row['batch']}of{row['batch']}-s{row['positions']}-"
-        size = sum(p.stat().st_size for p in directory.glob(stem + "*.pt2"))
+        size = sum(p.stat().st_size for p in directory.glob(stem + "*.so"))
         print(f"{row['model']:60s} {row['batch']:5d} {row['positions']:9d} {row['seconds']:7.1f} {size / 1e6:8.1f}")
     print(f"stored in {artifacts.directory_for(args.checkpoint_path)} ({time.perf_counter() - start:.0f} s in all)")
 
