@@ -78,12 +78,42 @@ def read_checkpoint(path) -> dict:
         raise UserError(f"cannot read checkpoint {path} ({reason}): re-convert or re-download it") from None
     if not isinstance(checkpoint, dict):
         raise UserError(f"{path} does not hold a state dict: re-convert it")
+    check_tensors(checkpoint, path)
     return checkpoint
 
 
+def check_tensors(state_dict: dict, path, fix="re-convert it") -> None:
+    """Every key a string and every tensor a dense, real, non-quantized one with data (nested dicts too: a quantized
+    file's "model"). A complex, sparse, meta or torch.qint8 tensor loads without complaint and fails mid-run, far
+    from the file; here it is a UserError naming the file and the key."""
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            shown = " ".join(repr(key).split())[:60]  # one line, however odd the key
+            raise UserError(f"{path}: its state dict has a key that is not a string ({type(key).__name__} {shown}): "
+                            f"{fix}")
+        if isinstance(value, dict):
+            check_tensors(value, path, fix)
+        elif isinstance(value, torch.Tensor):
+            what = (f"a {str(value.layout).removeprefix('torch.')} (not dense)" if value.layout != torch.strided
+                    else f"a complex ({value.dtype})" if value.is_complex()
+                    else "a meta (data-less)" if value.is_meta
+                    else f"a quantized ({value.dtype})" if value.is_quantized else None)
+            if what:
+                raise UserError(f"{path}: {key!r} holds {what} tensor where plain float or integer weights belong: "
+                                f"{fix}")
+
+
 def load_weights(model: torch.nn.Module, state_dict: dict, path) -> None:
-    """load_state_dict(strict, assign) on a model built from config.json; a missing or unexpected key, or a
-    shape that disagrees, is a UserError naming the file and its config."""
+    """load_state_dict(strict, assign) on a model built from config.json; a key that is not a string, a tensor
+    check_tensors refuses, integers where the model holds floats (or the reverse), a missing or unexpected key, or
+    a shape that disagrees is a UserError naming the file (and its config)."""
+    check_tensors(state_dict, path)
+    expected = model.state_dict()
+    for key, value in state_dict.items():  # assign=True takes the file's dtypes: an int8 matmul fails mid-run
+        if isinstance(value, torch.Tensor) and key in expected and \
+                value.is_floating_point() != expected[key].is_floating_point():
+            raise UserError(f"{path}: {key!r} holds {value.dtype} values where the model needs "
+                            f"{expected[key].dtype}: re-convert it")
     try:
         model.load_state_dict(state_dict, assign=True, strict=True)
     except RuntimeError as e:
@@ -101,27 +131,81 @@ def write_atomically(path, write):
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.partial-{os.getpid()}-")
+    tmp = partial_file(path)
+    try:
+        write(tmp)
+        flush_to_disk(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    flush_to_disk(directory)  # make the rename itself durable
+
+
+def write_files_atomically(directory, writers: dict):
+    """Create or replace several files of `directory` as one set (a checkpoint): `writers[name](tmp)` fills a temp
+    file for each, as write_atomically does, and only once all are written are they renamed into place, in the
+    dict's order (put the file that marks the set complete last). On any failure (KeyboardInterrupt and SIGTERM
+    too) the directory is as it was: temp files removed, replaced files put back, directories made here removed."""
+    directory = Path(directory)
+    created = [d for d in (directory, *directory.parents) if not d.exists()]  # deepest first
+    directory.mkdir(parents=True, exist_ok=True)
+    new, spare, old, placed = {}, [], {}, []
+    try:
+        for name, write in writers.items():
+            remove_stale_partials(directory / name)
+            new[name] = partial_file(directory / name)
+            write(new[name])
+            flush_to_disk(new[name])
+        for name in writers:  # the old set out of the way first, so old and new files never mix under the names
+            if os.path.lexists(directory / name):
+                spare.append(partial_file(directory / name))
+                old[name] = spare[-1]
+                os.replace(directory / name, old[name])
+        for name in writers:
+            placed.append(name)
+            os.replace(new[name], directory / name)
+    except BaseException:
+        for name in placed:
+            (directory / name).unlink(missing_ok=True)
+        for name, kept in old.items():
+            if not os.path.lexists(directory / name):  # else it was never moved aside
+                os.replace(kept, directory / name)
+        for tmp in [*new.values(), *spare]:
+            tmp.unlink(missing_ok=True)
+        for made in created:
+            try:
+                made.rmdir()
+            except OSError:  # not empty: something else wrote there meanwhile
+                break
+        raise
+    for tmp in spare:
+        tmp.unlink(missing_ok=True)
+    flush_to_disk(directory)
+
+
+def partial_file(path: Path) -> Path:
+    """A new empty temp file beside path (`.NAME.partial-PID-*`) with the permissions a plain open() would give,
+    not mkstemp's 0600."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.partial-{os.getpid()}-")
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # the permissions a plain open() would give, not mkstemp's 0600
+    os.chmod(tmp, 0o666 & ~umask)
+    return Path(tmp)
+
+
+def flush_to_disk(path: Path):
+    """Flush a file, or a directory's entries (a rename), to disk; a file system that cannot is let be."""
     try:
-        write(Path(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
+            os.fsync(fd)
         finally:
-            os.close(dir_fd)
+            os.close(fd)
     except OSError:
-        pass
+        if not path.is_dir():
+            raise
 
 
 def remove_stale_partials(path: Path):

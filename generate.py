@@ -4,14 +4,26 @@
     python generate.py ... --draft_checkpoint_path checkpoints/tiny/draft/model.pth --speculate_k 5
 """
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
-import torch
 
-from decode import COMPILE_MODES, PRECISIONS
-from errors import UserError, flag_names, run_cli
-from generation import Settings, Speculation, run
+def interrupted_while_starting(*_):
+    """Ctrl-C before run_cli handles it (importing torch takes seconds): its one line, not a traceback."""
+    print("error: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted_while_starting)
+
+import torch  # noqa: E402 (after the handler above)
+
+from decode import COMPILE_MODES, PRECISIONS  # noqa: E402
+from errors import UserError, flag_names, run_cli  # noqa: E402
+from generation import Settings, Speculation, run  # noqa: E402
 
 DEFAULTS = Settings()
 
@@ -153,6 +165,8 @@ def finish(error, status: int):
 
 
 def cli(argv=None) -> int:
+    if signal.getsignal(signal.SIGINT) is interrupted_while_starting:  # from here on Ctrl-C is run_cli's to handle
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return run_cli(lambda: main(argv), explain=lost_peer, finish=finish)
 
 

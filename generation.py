@@ -16,18 +16,19 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, compile_engine, configure_compiler, decode_n_tokens, \
-    sdpa_context
+from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, configure_compiler, \
+    decode_n_tokens, sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
 from model import ModelArgs, Transformer
-from speculate import MAX_TREE_NODES, NgramDrafter, Speculator, combine_stats, format_stats, same_vocabulary
+from speculate import MAX_TREE_NODES, NgramDrafter, Speculator, combine_stats, format_stats, non_finite_logits, \
+    same_vocabulary
 from tokenizer import get_tokenizer
 
 
@@ -69,6 +70,11 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
         model.output.weight = model.tok_embeddings.weight
     if shard is not None:
         shard(model)
+    on_cpu = torch.device(device).type == "cpu"
+    check_memory(weight_bytes(model, device, precision), device, f"loading {path}",
+                 "give `precision` as the checkpoint's own dtype (its weights are then read in place), quantize it "
+                 "(quantize.py), or free memory" if on_cpu else
+                 "pick a lower `precision`, quantize it (quantize.py), or use a device with more memory")
     model = model.to(device=device)
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point() and tensor.dtype != precision and "scales" not in name:
@@ -79,6 +85,88 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
     model.quantization = scheme
     model.checkpoint_path = path  # named by errors found while running it (NaN logits)
     return model.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- memory, checked before allocating
+
+def available_memory(device) -> Optional[int]:
+    """Bytes that new tensors on `device` can take: free GPU memory plus what torch's allocator holds unused on
+    CUDA; MemAvailable (psutil, else /proc/meminfo) on the CPU; None where unknown (nothing is refused then)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+    try:
+        import psutil
+        return psutil.virtual_memory().available
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def check_memory(needed: int, device, what: str, fix: str):
+    """Refuse an allocation the device cannot hold before trying it: a failed allocation of terabytes takes the
+    machine into swap or gets the process killed, with no word on which setting asked for it."""
+    free = available_memory(device)
+    if free is not None and needed > free:
+        raise UserError(f"{what} needs {size_text(needed)} but {device} has {size_text(free)} available: {fix}")
+
+
+def size_text(n: int) -> str:
+    for shift, unit in ((40, "TiB"), (30, "GiB")):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def weight_bytes(model: Transformer, device: str, precision) -> int:
+    """Bytes load_model allocates for the weights: every tensor on a GPU; on the CPU only those converted to
+    `precision` (the others stay memory-mapped from the file, in the page cache)."""
+    total = 0
+    for name, t in {id(t): (n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())}.values():
+        converted = t.is_floating_point() and t.dtype != precision and "scales" not in name
+        if torch.device(device).type != "cpu" or converted:
+            total += t.numel() * (precision.itemsize if converted else t.element_size())
+    return total
+
+
+def cache_bytes(model: Transformer, batch_size: int, length: int) -> tuple:
+    """(KV cache bytes, RoPE table bytes) that model.setup_caches(batch_size, length) allocates (0 where what it
+    has is big enough): keys and values [B, kv heads, S, head_dim] per layer, S rounded as setup_caches rounds
+    it; the table [max(S, context), head_dim / 2, 2] float32, counted twice (building it holds its angles too)."""
+    if model.max_batch_size >= batch_size and model.max_seq_length >= length:
+        return 0, 0
+    if model.round_cache_length:
+        length = max(length, min(max(256, 1 << (length - 1).bit_length()), model.args.block_size))
+    dtype = model.tok_embeddings.weight.dtype
+    size = dtype.itemsize if dtype.is_floating_point else 4
+    kv = sum(2 * batch_size * layer.attention.n_local_heads * layer.attention.head_dim * length * size
+             for layer in model.layers)
+    positions = max(length, model.args.block_size)
+    table = getattr(model, "rope_table", None)
+    rope = 0 if table is not None and table.shape[0] >= positions else 2 * positions * model.args.head_dim * 4
+    return kv, rope
+
+
+def reserve_caches(model: Transformer, batch_size: int, length: int, draft: Optional[Transformer] = None,
+                   fix: str = "lower `batch_size` or `max_new_tokens`"):
+    """model.setup_caches(batch_size, length), refused with one line naming the setting to lower where the caches
+    (the draft's too, which the drafter allocates later at the same size) would not fit in memory."""
+    kv, rope = cache_bytes(model, batch_size, length)
+    if draft is not None:
+        kv, rope = (a + b for a, b in zip((kv, rope), cache_bytes(draft, batch_size, length)))
+    what = f"the KV cache of {batch_size} rows x {length} positions"
+    if rope > kv:  # the context the config claims, not the run's settings
+        config = Path(getattr(model, "checkpoint_path", "model.pth")).parent / "config.json"
+        what = f"the RoPE table of {model.args.block_size} positions (max_position_embeddings in {config})"
+        fix = f"lower max_position_embeddings in {config} to the context the model was trained for"
+    device = model.tok_embeddings.weight.device
+    check_memory(kv + rope, device, what, fix)
+    model.setup_caches(batch_size, length)
 
 
 @contextlib.contextmanager
@@ -220,10 +308,13 @@ class Generator:
     def lookahead(self) -> int:
         return self.speculator.lookahead if self.speculator else 0
 
-    def reserve(self, batch_size: int, max_tokens: int):
+    def reserve(self, batch_size: int, max_tokens: int, fix: str = "lower `batch_size` or `max_new_tokens`"):
         """Allocate the caches for `batch_size` rows of up to max_tokens (prompt + new) once: a cache that grew
-        later would change the compiled graphs' shapes and compile them again."""
-        self.model.setup_caches(batch_size, max_tokens + 1 + self.lookahead)
+        later would change the compiled graphs' shapes and compile them again. `fix`: what to lower where they
+        would not fit in memory, in the caller's terms."""
+        drafter = getattr(self.speculator, "drafter", None)
+        reserve_caches(self.model, batch_size, max_tokens + 1 + self.lookahead, getattr(drafter, "draft_model", None),
+                       fix)
 
     def encode(self, prompt: str, chat: bool = False, seed: int = 0) -> list:
         return encode_prompt(prompt, self.tokenizer, self.model.args.vocab_size, seed, chat)
@@ -252,28 +343,64 @@ def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eo
     prompts = [list(p) for p in prompt] if isinstance(prompt, list) else [prompt.tolist()] * batch_size
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = max(len(p) for p in prompts)
-    model.setup_caches(len(prompts), T + max_new_tokens + (speculator.lookahead if speculator else 0) + 1)
+    reserve_caches(model, len(prompts), T + max_new_tokens + (speculator.lookahead if speculator else 0) + 1)
     x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # [B, T], right-padded
     input_pos = torch.arange(T, device=device).expand(len(prompts), T)  # [B, T]
     with sdpa_context():
         first, finite = target.prefill(model, x, input_pos, sampling, lengths - 1)
     if not bool(finite):  # one look at the host per generation: NaN weights would otherwise decode token 0 forever
-        source = getattr(model, "checkpoint_path", "the checkpoint")
-        raise UserError(f"the model's logits for the prompt are NaN or infinite: the weights in {source} are broken; "
-                        f"re-convert or re-download it (or try `precision` fp32)")
+        raise non_finite_logits(model, "for the prompt")
     first = first.clone()
-    if speculator is not None:
-        return speculator.generate(target, prompts, first, max_new_tokens, sampling, eos_ids, stop_at_eos, callback)
+    watch = FiniteWatch(target.decode_one_token, model)
+    target = replace(target, decode_one_token=watch)
+    if speculator is not None:  # verification looks at its own logits (speculate.verify_step)
+        result = speculator.generate(target, prompts, first, max_new_tokens, sampling, eos_ids, stop_at_eos,
+                                     callback)
+        watch.check()
+        return result
     if callback:
         callback(first)
     eos = set(eos_ids)
     rest = []
     if max_new_tokens > 1 and not (stop_at_eos and all(t in eos for t in first.tolist())):
         rest = decode_n_tokens(target, first, lengths, max_new_tokens - 1, sampling, eos_ids, stop_at_eos, callback)
+    watch.check()
     rows = torch.stack([first] + rest, dim=1).tolist()  # [B, n]
     if stop_at_eos:
         rows = [truncate_at_eos(row, eos) for row in rows]
     return rows, {"target_forwards": len(rest) + 1}
+
+
+class FiniteWatch:
+    """An engine's decode_one_token that stops weights going NaN or infinite mid-run with one line, not decoding
+    garbage, without a host sync per token: it looks every EOS_CHECK_EVERY steps (when decode_n_tokens looks for
+    EOS) and in check(), at the keys the steps wrote in the last layer (NaN risen in any layer below shows there;
+    at temperature 0 the distribution is a one-hot of the argmax, finite even for NaN logits) and at whether
+    every distribution sampled from was finite (noted on the device at each step)."""
+
+    def __init__(self, decode_one_token, model: Transformer):
+        self.decode_one_token, self.model = decode_one_token, model
+        self.slots, self.finite = [], None  # since the last look: each step's input_pos [B, 1]; probs all finite
+
+    def __call__(self, model: Transformer, x, input_pos, sampling: Sampling):
+        token, probs = self.decode_one_token(model, x, input_pos, sampling)
+        finite = torch.isfinite(probs).all()
+        self.finite = finite if self.finite is None else self.finite & finite
+        self.slots.append(input_pos)
+        if len(self.slots) == EOS_CHECK_EVERY:
+            self.check()
+        return token, probs
+
+    def check(self):
+        if not self.slots:
+            return
+        slots = torch.cat(self.slots, 1)  # [B, n]
+        rows = torch.arange(slots.shape[0], device=slots.device).unsqueeze(1)  # [B, 1]
+        keys = self.model.layers[-1].attention.kv_cache.k_cache[rows, :, slots]  # [B, n, H, D]
+        finite = bool(torch.isfinite(keys).all() & self.finite)
+        self.slots, self.finite = [], None
+        if not finite:
+            raise non_finite_logits(self.model, "for a generated token")
 
 
 def truncate_at_eos(ids: list, eos: set) -> list:
@@ -406,9 +533,10 @@ def check_engine_settings(compile: str, precision: Optional[str], device: str):
         raise UserError("`device` cuda asked for, but torch sees no CUDA device; use `device` cpu")
 
 
-def setup_distributed(device: str):
+def setup_distributed(device: str, settings: Optional[Settings] = None):
     """Tensor parallelism when launched by torchrun with more than one process (see tp.py): every rank runs
-    the same generation on the same tokens from the same seed; only rank 0 prints and writes files.
+    the same generation on the same tokens from the same seed; only rank 0 prints and writes files. `settings`
+    must agree on every rank (tp.check_same_settings), all but the files only rank 0 writes.
     Returns (rank, world_size, shard function or None)."""
     world = os.environ.get("WORLD_SIZE", "1")
     if not world.isdigit() or int(world) < 1:
@@ -417,6 +545,11 @@ def setup_distributed(device: str):
         return 0, 1, None
     import tp
     rank, world_size = tp.init_distributed(device)
+    if settings is not None:
+        values = asdict(settings)
+        values.update(values.pop("speculation"))  # by the names of their flags
+        tp.check_same_settings({name: str(value) for name, value in values.items()
+                                if name not in ("stats_json", "profile")})
     return rank, world_size, functools.partial(tp.apply_tp, rank=rank, world_size=world_size)
 
 
@@ -428,7 +561,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
     torch.manual_seed(settings.seed)
     if settings.compile != "none":
         configure_compiler(settings.device)
-    rank, world_size, shard = setup_distributed(settings.device)
+    rank, world_size, shard = setup_distributed(settings.device, settings)
     say = say if rank == 0 else (lambda *a, **k: None)
     t0 = time.perf_counter()
     generator = Generator.build(settings.checkpoint_path, settings.device, settings.dtype,

@@ -246,7 +246,7 @@ class Scheduler:
         self.batch, self.max_queue = max_batch_size, max_queue
         self.context = max_seq_length  # prompt + completion tokens a request may use
         # the last slot is scratch: padding and idle rows write it; every real position is below it
-        self.model.setup_caches(max_batch_size, max_seq_length + generator.lookahead + 2)
+        generator.reserve(max_batch_size, max_seq_length + 1, "lower --max_batch_size or --max_seq_length")
         self.scratch = self.model.max_seq_length - 1
         self.chunk = min(max(MIN_CHUNK, PREFILL_TOKENS // max_batch_size), max_seq_length)
         self.device = generator.device

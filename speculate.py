@@ -15,9 +15,17 @@ import torch
 from torch import Tensor
 
 from decode import Engine, Sampling, decode_n_tokens, logits_to_probs, sample_from, sdpa_context
+from errors import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
 AUTO_PROBE_STEPS = 2  # --speculate_k auto: speculative steps timed against a plain step before choosing
+
+
+def non_finite_logits(model, when: str) -> UserError:
+    """The one line for NaN / infinite target logits (prefill, plain decoding, verification)."""
+    source = getattr(model, "checkpoint_path", "the checkpoint")
+    return UserError(f"the model's logits {when} are NaN or infinite: the weights in {source} are broken (or overflow "
+                     f"in this precision); re-convert or re-download it (or try `precision` fp32)")
 
 
 def synchronize(model):
@@ -230,6 +238,8 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     mask = mask.to(device)
     with sdpa_context():
         logits = target.forward(tokens, input_pos, slots, mask)  # [B, n, V]
+    if not bool((logits < float("inf")).all()):  # NaN or +inf (-inf only rules its token out); the step syncs anyway
+        raise non_finite_logits(model, "for a verified draft")
     active = active if active is not None else [True] * len(trees)
     if sampling.temperature == 0:
         argmax = logits.argmax(-1).tolist()  # one look at the host for the whole batch

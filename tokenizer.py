@@ -13,6 +13,8 @@
 LlamaTokenizer. The rules that make the ids match transformers' are in docs/tokenizers-and-chat.md.
 """
 import json
+import threading
+import time
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -159,9 +161,17 @@ class Tokenizer:
         # keys set to None are dropped, as apply_chat_template drops them
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return compile_template(template).render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **self.special_tokens)
+            compiled = compile_template(template)
+            budget = compiled.environment.start_budget()
+            chunks = []
+            for chunk in compiled.generate(messages=messages, tools=None, documents=None,
+                                           add_generation_prompt=add_generation_prompt, **self.special_tokens):
+                budget.spend(0, len(chunk))
+                chunks.append(chunk)
+            return "".join(chunks)
+        except TemplateLimit as e:
+            raise UserError(f"chat template in {source} {e}: fix or replace the template (a template renders one "
+                            f"conversation in well under a second)") from None
         except jinja2.exceptions.SecurityError as e:
             raise UserError(f"chat template in {source} tried an unsafe operation: {e}") from None
         except jinja2.exceptions.TemplateSyntaxError as e:
@@ -341,10 +351,38 @@ def proto_fields(data: bytes):
         yield key >> 3, value
 
 
+# what one rendering of a chat template may spend (a real template renders a conversation in milliseconds)
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_STEPS = 10**6  # range() items, summed over the rendering
+TEMPLATE_CHARS = 1 << 24  # characters written (16 Mi: more than any model's context), and the largest `str * n`
+
+
+class TemplateLimit(Exception):
+    """A chat template ran past its TemplateBudget (the message says which limit)."""
+
+
+class TemplateBudget:
+    """What one rendering has spent: range() items, characters written, time."""
+
+    def __init__(self):
+        self.steps, self.chars, self.deadline = 0, 0, time.monotonic() + TEMPLATE_SECONDS
+
+    def spend(self, steps: int = 0, chars: int = 0):
+        self.steps += steps
+        self.chars += chars
+        if self.steps > TEMPLATE_STEPS:
+            raise TemplateLimit(f"loops more than {TEMPLATE_STEPS} times (range)")
+        if self.chars > TEMPLATE_CHARS:
+            raise TemplateLimit(f"writes more than {TEMPLATE_CHARS} characters")
+        if time.monotonic() > self.deadline:
+            raise TemplateLimit(f"runs longer than {TEMPLATE_SECONDS:g} s")
+
+
 @lru_cache(maxsize=8)
 def compile_template(template: str):
     """A chat template compiled as transformers compiles it: jinja2's immutable sandbox, trim_blocks and
-    lstrip_blocks, loop controls, raise_exception / strftime_now / a JSON `tojson`, `{% generation %}` blocks."""
+    lstrip_blocks, loop controls, raise_exception / strftime_now / a JSON `tojson`, `{% generation %}` blocks; each
+    rendering bounded in loops, output and time (TemplateBudget)."""
     import jinja2
     import jinja2.ext
     import jinja2.sandbox
@@ -392,9 +430,42 @@ def compile_template(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    class Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        """The sandbox, every call, range() item and `*` / `**` spending from the rendering's TemplateBudget: a
+        template is code from the checkpoint's directory, and nested loops would otherwise run for hours."""
+        intercepted_binops = frozenset({"*", "**"})
+
+        def start_budget(self) -> "TemplateBudget":
+            self.local.budget = TemplateBudget()
+            return self.local.budget
+
+        def budget(self) -> "TemplateBudget":
+            return getattr(self.local, "budget", None) or TemplateBudget()  # outside render_chat: per call
+
+        def call(*args, **kwargs):  # (self, context, obj, ...): the template's keyword arguments may use any name
+            args[0].budget().spend()
+            return jinja2.sandbox.ImmutableSandboxedEnvironment.call(*args, **kwargs)
+
+        def call_binop(self, context, operator, left, right):
+            self.budget().spend()
+            for sequence, n in ((left, right), (right, left)):
+                if operator == "*" and isinstance(sequence, (str, list, tuple)) and isinstance(n, int) \
+                        and len(sequence) * n > TEMPLATE_CHARS:
+                    raise TemplateLimit(f"builds a sequence of more than {TEMPLATE_CHARS} items")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                    and right > 1024:  # an integer of millions of digits takes minutes
+                raise TemplateLimit(f"raises {left} to the power {right}")
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.local = threading.local()  # one budget per rendering thread (the server renders on several)
+
+    def budget_range(*args):
+        items = jinja2.sandbox.safe_range(*args)
+        env.budget().spend(len(items))
+        return items
+
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       namespace=Namespace, dict=Dict())
+                       namespace=Namespace, dict=Dict(), range=budget_range)
     return env.from_string(template)

@@ -5,6 +5,7 @@ wo and w2 row-parallel, their partial sums added by one all-reduce each. The out
 (when N divides it) and all-gathered; embeddings and the draft are replicated. Ranks never diverge: all compute the
 same logits and sample from the same seed, so they pick the same tokens without a broadcast (docs/tensor-parallel.md).
 """
+import hashlib
 import math
 import os
 import sys
@@ -58,6 +59,29 @@ def init_distributed(device: str) -> tuple:
         except (AttributeError, TypeError, ValueError):
             pass
     return dist.get_rank(), dist.get_world_size()
+
+
+def check_same_settings(settings: dict):
+    """Every rank must run the same generation (ranks never exchange tokens): each rank's settings ({name: text}),
+    as a digest and a short form per setting, gathered on every rank; where one differs from rank 0's, every rank
+    raises the same UserError, instead of the ranks running collectives of different shapes or counts (a hang)."""
+    mine = {name: (hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(), shorten(text))
+            for name, text in settings.items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    first = gathered[0]
+    for rank, other in enumerate(gathered):
+        differ = sorted(name for name in set(first) | set(other) if other.get(name) != first.get(name))
+        if differ:
+            name = differ[0]
+            theirs, ours = (other.get(name, (None, "nothing"))[1], first.get(name, (None, "nothing"))[1])
+            raise UserError(f"rank {rank} was launched with another `{name}` than rank 0 ({theirs} instead of "
+                            f"{ours}): give every rank the same arguments")
+
+
+def shorten(text: str, limit: int = 40) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[:limit - 4] + "...'"
 
 
 def join_timeout() -> float:

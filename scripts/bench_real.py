@@ -94,23 +94,6 @@ def launch_seconds(model_pth: Path, draft_pth=None, k=5, ngram=0) -> float:
     return time.perf_counter() - start
 
 
-def requantized_q8_0(gguf: Path) -> Path:
-    """A Q8_0 copy of a GGUF, for llama.cpp's 8-bit column when only a 4-bit file is at hand: llama.cpp
-    dequantizes each tensor and quantizes it again (8.5 bits a weight: the bytes and kernels of a native Q8_0
-    file; its values carry the 4-bit file's rounding). Written once, beside the original."""
-    import ctypes
-    import llama_cpp
-    out = gguf.with_name(gguf.name.replace(gguf.name.split(".")[-2], "Q8_0"))
-    if not out.is_file():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, True
-        tmp = out.with_suffix(".tmp")
-        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not requantize {gguf}")
-        tmp.rename(out)
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint_dir", type=Path, default=ROOT / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -175,7 +158,7 @@ def main(argv=None):
         if args.gguf.is_file():
             configs[f"llama.cpp {args.gguf.name.split('.')[-2]}"] = lambda: llama_cpp_run(args.gguf, threads)
             if args.gguf.name.split(".")[-2] != "Q8_0":  # the 8-bit peer of our int8
-                configs["llama.cpp Q8_0"] = lambda: llama_cpp_run(requantized_q8_0(args.gguf), threads)
+                configs["llama.cpp Q8_0"] = lambda: llama_cpp_run(benchlib.requantized_q8_0(args.gguf), threads)
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp column", flush=True)
     if args.only:

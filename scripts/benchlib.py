@@ -176,3 +176,20 @@ def fmt(value) -> str:
 def write_json(path: Path, data: dict):
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"))
     print(f"wrote {path}")
+
+
+def requantized_q8_0(gguf: Path) -> Path:
+    """A Q8_0 copy of a GGUF, for llama.cpp's 8-bit column when only a 4-bit file is at hand: llama.cpp
+    dequantizes each tensor and quantizes it again (8.5 bits a weight: the bytes and kernels of a native Q8_0
+    file; its values carry the 4-bit file's rounding). Written once, beside the original."""
+    import ctypes
+    import llama_cpp
+    out = gguf.with_name(gguf.name.replace(gguf.name.split(".")[-2], "Q8_0"))
+    if not out.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, True
+        tmp = out.with_suffix(".tmp")
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not requantize {gguf}")
+        tmp.rename(out)
+    return out

@@ -6,21 +6,24 @@ checkpoint layout.
 
 Writes OUT_DIR (default checkpoints/<file stem>) with config.json (Hugging Face schema), tokenizer.json and
 tokenizer_config.json (built from the GGUF vocabulary the way transformers builds them, so both give the
-same ids) and, last, model.pth: the weights dequantized to --dtype under our names. Every tensor type the
+same ids) and model.pth: the weights dequantized to --dtype under our names. Every tensor type the
 `gguf` package can dequantize converts: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, the IQ
-types. The file is read and checked completely before anything is written.
+types. The file is read and checked completely before anything is written, and the four files appear together
+or not at all (an earlier conversion in OUT_DIR stays as it was if this one fails or is interrupted).
 
 Q and K need no reordering: llama.cpp's converter permutes Hugging Face's rotate-halves rows into
 rotate-interleaved-pairs rows, which is our RoPE layout (transformers un-permutes them when it loads a GGUF).
 """
 import argparse
 import json
+import math
+import numbers
 import sys
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, run_cli, write_atomically
+from errors import UserError, run_cli, write_files_atomically
 from model import ModelArgs
 
 import gguf
@@ -69,27 +72,59 @@ def require(path: Path, meta: dict, key: str, default=None):
     return value
 
 
+def count(path: Path, meta: dict, key: str, default=None, limit=2**24) -> int:
+    """A size in the metadata: an integer in [1, limit] (config.json's limits, so the config written reads back)."""
+    value = require(path, meta, key, default)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= limit:
+        raise UserError(f"{path}: metadata '{key}' is {str(value)[:40]}, not an integer in [1, {limit}]: the file is "
+                        f"damaged or not a usable model; download it again")
+    return int(value)
+
+
+def positive(path: Path, meta: dict, key: str, default: float) -> float:
+    """A positive, finite number in the metadata (an RMS epsilon, a RoPE base)."""
+    value = require(path, meta, key, default)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:  # NaN fails too
+        shown = decimal(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else str(value)[:40]
+        raise UserError(f"{path}: metadata '{key}' is {shown}, not a positive finite number: the file is "
+                        f"damaged or not a usable model; download it again")
+    return decimal(value)
+
+
 def model_args(meta: dict, tensors: dict, path: Path) -> ModelArgs:
+    """The model's shape from the metadata; a size that is zero, negative, not finite or inconsistent (heads that do
+    not divide the width) is a UserError naming its GGUF key, before anything is written."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UserError(f"{path} holds a '{arch}' model: only GGUF architecture 'llama' converts "
                         f"(for others, convert the Hugging Face checkpoint with scripts/convert_hf_checkpoint.py)")
-    get = partial(require, path, meta)
-    n_head, dim = get("llama.attention.head_count"), get("llama.embedding_length")
-    head_dim = get("llama.attention.key_length", meta.get("llama.rope.dimension_count", dim // n_head))
+    size = partial(count, path, meta)
+    dim, n_head = size("llama.embedding_length", limit=2**17), size("llama.attention.head_count", limit=4096)
+    n_kv = size("llama.attention.head_count_kv", n_head, limit=4096)
+    if "llama.attention.key_length" not in meta and dim % n_head:  # llama.cpp's head width: dim / heads
+        raise UserError(f"{path}: metadata 'llama.attention.head_count' ({n_head}) does not divide "
+                        f"'llama.embedding_length' ({dim}): the file is damaged; download it again")
+    if n_head % n_kv:
+        raise UserError(f"{path}: metadata 'llama.attention.head_count_kv' ({n_kv}) does not divide "
+                        f"'llama.attention.head_count' ({n_head}): the file is damaged; download it again")
+    head_dim = size("llama.attention.key_length", size("llama.rope.dimension_count", dim // n_head, limit=2**14),
+                    limit=2**14)
     if {head_dim} != {meta.get(f"llama.{key}", head_dim) for key in ("rope.dimension_count", "attention.value_length")}:
         raise UserError(f"{path}: RoPE over part of a head, or values of another width than keys, is not supported")
+    tokens = require(path, meta, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not 0 < len(tokens) <= 2**24:
+        raise UserError(f"{path}: metadata 'tokenizer.ggml.tokens' is {'empty' if tokens == [] else 'not a list'}, "
+                        f"not a vocabulary: the file is damaged; download it again")
     args = ModelArgs(
-        dim=dim, n_layer=get("llama.block_count"), n_head=n_head,
-        n_local_heads=get("llama.attention.head_count_kv", n_head), head_dim=head_dim,
-        intermediate_size=get("llama.feed_forward_length"), vocab_size=len(get("tokenizer.ggml.tokens")),
-        block_size=get("llama.context_length"), rope_base=decimal(get("llama.rope.freq_base", 10000.0)),
-        norm_eps=decimal(get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        dim=dim, n_layer=size("llama.block_count", limit=4096), n_head=n_head, n_local_heads=n_kv, head_dim=head_dim,
+        intermediate_size=size("llama.feed_forward_length", limit=2**20), vocab_size=len(tokens),
+        block_size=size("llama.context_length"), rope_base=positive(path, meta, "llama.rope.freq_base", 10000.0),
+        norm_eps=positive(path, meta, "llama.attention.layer_norm_rms_epsilon", 1e-5),
         tie_word_embeddings="output.weight" not in tensors, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else [])
     scaling, divisors = meta.get("llama.rope.scaling.type", "none"), tensors.get("rope_freqs.weight")
     if scaling == "linear" and divisors is None:
-        args.rope_scaling = {"rope_type": "linear", "factor": float(get("llama.rope.scaling.factor"))}
+        args.rope_scaling = {"rope_type": "linear", "factor": positive(path, meta, "llama.rope.scaling.factor", None)}
     elif scaling in ("none", "llama3") and divisors is not None:
         args.rope_scaling = llama3_scaling(args, divisors, meta, path)
     elif scaling != "none":
@@ -108,7 +143,7 @@ def llama3_scaling(args: ModelArgs, rope_freqs, meta: dict, path: Path) -> dict:
     Hugging Face parameters, which are Meta's (low 1, high 4, 8192 positions) but for the factor."""
     divisors = dequantize(rope_freqs, torch.float32)  # [head_dim // 2]
     scaling = {"rope_type": "llama3", "factor": divisors.max().item(), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": meta.get("llama.rope.scaling.original_context_length", 8192)}
+               "original_max_position_embeddings": count(path, meta, "llama.rope.scaling.original_context_length", 8192)}
     # the divisors these parameters give: 1 for short wavelengths, `factor` for long ones, a blend between
     inv_freq = 1.0 / args.rope_base ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
     smooth = (scaling["original_max_position_embeddings"] * inv_freq / (2 * torch.pi) - 1.0) / (4.0 - 1.0)
@@ -200,6 +235,10 @@ def build_tokenizer(meta: dict, path: Path):
     keys = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
             "pad_token": "padding_token_id"}
     ids = {name: meta[f"tokenizer.ggml.{key}"] for name, key in keys.items() if f"tokenizer.ggml.{key}" in meta}
+    for name, i in ids.items():
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(tokens):
+            raise UserError(f"{path}: metadata 'tokenizer.ggml.{keys[name]}' is {str(i)[:40]}, not a token id below "
+                            f"{len(tokens)}: the file is damaged; download it again")
     named = {name: tokens[i] for name, i in ids.items()}
     special = [t for t, type_ in zip(tokens, types) if type_ in (_UNKNOWN, _CONTROL) and t in whole]
     special += [t for t in dict.fromkeys(named.values()) if t not in special and t in whole]
@@ -254,11 +293,13 @@ def convert(gguf_path, out_dir=None, dtype=torch.bfloat16) -> Path:
     tokenizer, tokenizer_config = build_tokenizer(meta, path)
     state_dict = {ours: torch.cat([dequantize(tensors[name], dtype) for name in names]) for ours, names in plan.items()}
 
-    write_atomically(out / "config.json", lambda tmp: tmp.write_text(json.dumps(args.to_hf_config(), indent=2) + "\n"))
-    write_atomically(out / "tokenizer.json", lambda tmp: tokenizer.save(str(tmp)))
-    write_atomically(out / "tokenizer_config.json",
-                     lambda tmp: tmp.write_text(json.dumps(tokenizer_config, indent=2) + "\n"))
-    write_atomically(out / "model.pth", lambda tmp: torch.save(state_dict, tmp))  # last: its presence means done
+    # all four or none; model.pth renamed in last: config.json without it never loads, it without config.json might
+    # (with a config guessed from the directory's name)
+    write_files_atomically(out, {
+        "config.json": lambda tmp: tmp.write_text(json.dumps(args.to_hf_config(), indent=2) + "\n"),
+        "tokenizer.json": lambda tmp: tokenizer.save(str(tmp)),
+        "tokenizer_config.json": lambda tmp: tmp.write_text(json.dumps(tokenizer_config, indent=2) + "\n"),
+        "model.pth": lambda tmp: torch.save(state_dict, tmp)})
     return out
 
 

