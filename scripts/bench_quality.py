@@ -11,6 +11,7 @@ sides score exactly the same tokens. The text defaults to the Python standard li
 dequantized, so llama.cpp's Q4_1 is the base itself up to float rounding, and its Q8_0 is a requantization of it.
 """
 import argparse
+import importlib.util
 import sys
 import sysconfig
 from pathlib import Path
@@ -20,9 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 import benchlib  # noqa: E402
 from benchlib import ROOT  # noqa: E402
-import eval as evaluation  # noqa: E402
 import generation  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
+
+# eval.py's measures (chunks, the scored span, the tally), loaded from its file as its tests load it: a command line
+# is never imported, and these are exactly what eval.py reports
+_spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+evaluation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(evaluation)
 
 
 def llama_cpp_quality(gguf: Path, chunks: torch.Tensor, base, threads: int) -> dict:
