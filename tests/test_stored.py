@@ -29,6 +29,13 @@ def built(capsys) -> bool:
     return "compiling the graph of" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, tokenizer_model):
+    """One micro checkpoint for the tests that build its graph: built once, the later tests load it."""
+    return write_checkpoint(tmp_path_factory.mktemp("stored") / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
+                            n_head=2, vocab_size=512, block_size=64)
+
+
 @pytest.fixture
 def checkpoint(tmp_path, tokenizer_model):
     return write_checkpoint(tmp_path / "micro", tokenizer_model, seed=3, dim=32, n_layer=1, n_head=2,
@@ -36,10 +43,11 @@ def checkpoint(tmp_path, tokenizer_model):
 
 
 @pytest.mark.slow  # each build is a C++ compile of the whole model
-def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(checkpoint, capsys):
+def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(stored, capsys):
     """Built once, stored beside the checkpoint; a new engine (as in a new process) loads it and decodes, verifies
     and prefills exactly what eager and in-process compiled engines do; a truncated package is refused with one
     line and rebuilt."""
+    checkpoint = stored
     eager = greedy(decode.Engine(generation.load_model(checkpoint)))
     whole = greedy(decode.compile_engine(generation.load_model(checkpoint), "cpu", "whole"))
     assert greedy(stored_engine(checkpoint)) == eager == whole
@@ -75,9 +83,10 @@ def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(checkp
 
 
 @pytest.mark.slow
-def test_cli_compile_stores_then_loads(checkpoint, tmp_path):
-    """generate.py --compile: the first run builds and says so; the second loads (no build line) and decodes the
-    eager tokens; scripts/compile_model.py finds the graph already there."""
+def test_cli_compile_stores_then_loads(stored, tmp_path):
+    """generate.py --compile loads the graph stored by the test above (or builds it) and decodes the eager tokens,
+    as a second run does; scripts/compile_model.py finds the graph already there."""
+    checkpoint = stored
     from helpers import ROOT, run
     plain = run(checkpoint, "--ignore_eos", "--temperature", "0", n=8)
     first = run(checkpoint, "--ignore_eos", "--temperature", "0", "--compile", n=8)
@@ -166,9 +175,10 @@ def test_read_only_checkpoint_directory_stores_in_the_users_cache(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_speculative_decoding_on_stored_graphs_equals_plain(checkpoint, tmp_path):
+def test_speculative_decoding_on_stored_graphs_equals_plain(stored, tmp_path):
     """A draft model (chain and tree) and n-gram lookups verified through the stored graphs (every verification
     width through the one dynamic graph, the draft's graph too) give plain greedy decoding's tokens."""
+    checkpoint = stored
     from helpers import copy_checkpoint
     draft = copy_checkpoint(checkpoint, tmp_path / "draft", noise=0.02, seed=5)
     prompt = [1, 5, 9, 2, 7, 5, 9, 2]
