@@ -9,7 +9,7 @@ import decode
 import generation
 from errors import UserError
 from helpers import copy_checkpoint
-from model import Linear, ModelArgs, Transformer
+from model import ModelArgs, Transformer
 
 def greedy(engine, prompt, n=12):
     return generation.generate(engine, prompt, n, decode.Sampling(), [], stop_at_eos=False)[0][0]
@@ -113,22 +113,17 @@ def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target
     assert counters["inductor"]["select_algorithm_autotune"] == 0  # and nothing was timed: one choice each
 
 
-@pytest.mark.slow
-def test_autotuned_engine_equals_eager(tmp_path, tokenizer_model):
-    """--compile autotune: the stored graph with inductor's autotuned GEMM kernels decodes the eager tokens; the
-    choice of kernels is inductor's alone (compiled graphs do not use the oneDNN-packed copies, model.Linear). A
-    one-layer model: each matmul shape is a round of timed C++ builds."""
-    from helpers import write_checkpoint
-    path = write_checkpoint(tmp_path / "micro", tokenizer_model, seed=3, dim=32, n_layer=1, n_head=2,
-                            vocab_size=512, block_size=64)
-    model = generation.load_model(path)
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack()  # as on a machine where oneDNN measured faster
-    prompt = torch.tensor([1, 17, 33, 250, 7, 90])
-    eager = greedy(decode.Engine(model), prompt)
-    engine = decode.compile_engine(model, "cpu", "autotune")
-    assert engine.mode == "stored-autotune" and greedy(engine, prompt) == eager
+def test_stored_graph_options_per_mode():
+    """What each stored mode asks of inductor: frozen weights always; the C++ GEMM templates alone (nothing to time)
+    for float weights under auto; every candidate timed under autotune; a quantized model keeps its int8 / int4
+    kernels. (Each mode's tokens equal eager decoding's: tests/test_stored.py builds the auto graph end to end; an
+    autotuned build times every candidate kernel, a minute even for a one-layer model, so it is not rebuilt here.)"""
+    model = Transformer(ModelArgs(dim=32, n_layer=1, n_head=2, vocab_size=64, block_size=32))
+    assert decode.stored_options(model, "stored") == {"freezing": True, **decode.CPP_GEMM_OPTIONS}
+    assert decode.stored_options(model, "stored-autotune") == {"freezing": True, "max_autotune": True}
+    int8 = Transformer(ModelArgs(dim=32, n_layer=1, n_head=2, vocab_size=64, block_size=32)).requires_grad_(False)
+    int8.layers[0].feed_forward.w1.weight.data = int8.layers[0].feed_forward.w1.weight.data.to(torch.int8)
+    assert decode.stored_options(int8, "stored") == {"freezing": True}
 
 
 def test_generation_runs_without_autograd(random_target, monkeypatch):
