@@ -148,9 +148,9 @@ def test_greedy_identical_on_every_prompt(random_target, noisy_draft, byte_level
 
 @pytest.mark.slow
 def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
-    """Compiled target and draft graphs, chains padded to one of two verify shapes (K + 1 target tokens, or 2K + 1
-    when re-tokenization made the chain longer): still the target's greedy output. A sampled chain has one target
-    token per draft token: always K + 1."""
+    """Compiled target and draft (regional: the whole-graph chain has tests of its own below), chains padded to one
+    of two verify shapes (K + 1 target tokens, or 2K + 1 when re-tokenization made the chain longer): still the
+    target's greedy output. A sampled chain has one target token per draft token: always K + 1."""
     sizes, real = [], crossdraft.verify_step
 
     def verify_step(target, trees, *args):
@@ -165,12 +165,12 @@ def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
 
     monkeypatch.setattr(crossdraft, "verify_step", verify_step)
     monkeypatch.setattr(crossdraft.CrossTokenizerSpeculator, "draft", draft)
-    got = speculative(random_target, noisy_draft, 4, "--compile", "whole", "--ignore_eos")
+    got = speculative(random_target, noisy_draft, 4, "--compile", "regional", "--ignore_eos")
     assert tokens(got) == plain_greedy(random_target)[:29] and sum(got["accept_counts"][1:]) > 0
     assert set(sizes) <= {5, 9} and 5 in sizes, sizes
     assert any(0 < n <= crossdraft.CATCH_UP_STEPS for n in catch_ups), catch_ups  # test_compiled_catch_up
     sizes.clear()
-    speculative(random_target, noisy_draft, 4, "--compile", "whole", "--temperature", "0.8", "--ignore_eos")
+    speculative(random_target, noisy_draft, 4, "--compile", "regional", "--temperature", "0.8", "--ignore_eos")
     assert set(sizes) == {5}, sizes
 
 
