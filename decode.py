@@ -222,7 +222,7 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     """The engine for `model` in compile `mode`.
     stored (`auto`, `autotune`): one AOTInductor graph of the whole model per batch and cache size, dynamic in the
     tokens per call, so decode, verification and prefill share it; built once, stored beside the checkpoint
-    (StoredForward), loaded by later runs in about a second.
+    (StoredForward), loaded by later runs instead of compiled.
     regional: one compiled TransformerBlock runs every layer (weights and cache are graph inputs), shared by all
     models of its shape.
     whole: torch.compile in this process: the one-token decode (static shape [B, 1]), the verification forward (one
@@ -346,7 +346,7 @@ class StoredForward:
 
     def open(self, library: Path):
         """Load a stored graph (its frozen weights inside it): run(*args) and bind(cache tensors).
-        The library itself: loading the package would unzip it to a temp directory first, five times slower."""
+        The library itself: loading the package would unzip it to a temp directory first (BENCHMARKS.md)."""
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
         internal = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
 
