@@ -70,14 +70,15 @@ def test_rows_equal_each_prompt_alone(random_target, near_draft, kind):
 @pytest.mark.slow
 def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target, near_draft):
     """check_rows() for every kind on compiled graphs (one compiled target; the kinds verify 4 or 9 tokens per
-    row): after warm-up, batches of other prompt lengths compile nothing new."""
+    row): after warm-up, batches of other prompt lengths compile nothing new. Regional graphs: static shapes like
+    whole ones, at a fraction of the cold compile (test_generate checks batched rows on whole graphs)."""
     model, draft = generation.load_model(random_target), generation.load_model(near_draft)
     eager = decode.Engine(model)
     torch._dynamo.reset()
-    engine = decode.compile_engine(model, "cpu", "whole", compile_prefill=True)
+    engine = decode.compile_engine(model, "cpu", "regional", compile_prefill=True)
     model.setup_caches(len(BATCH), model.args.block_size)  # once for every kind, as generate.main does for a run
     for kind, (draft_name, k, nodes, ngram) in KINDS.items():
-        draft_engine = decode.compile_engine(draft, "cpu", "whole") if draft_name else None
+        draft_engine = decode.compile_engine(draft, "cpu", "regional") if draft_name else None
         speculation = generation.Speculation(k, nodes, ngram)
         drafter = generation.make_speculator(speculation, draft_engine, model.args.block_size)
         before, after = check_rows(engine, eager, drafter)
