@@ -61,11 +61,6 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
     if args.tie_word_embeddings and "output.weight" not in state_dict:
         state_dict = dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
     load_weights(model, state_dict, path)
-    wrong = [name for name, t in model.state_dict().items()
-             if t.is_floating_point() != state_dict.get(name, t).is_floating_point()]
-    if wrong:  # assign=True takes the file's dtypes: integer weights where floats belong would fail mid-run
-        raise UserError(f"{path}: {wrong[0]} holds {state_dict[wrong[0]].dtype} values where the model needs "
-                        f"floating point (or the reverse): re-convert the checkpoint")
     if args.tie_word_embeddings and not scheme:
         model.output.weight = model.tok_embeddings.weight
     if shard is not None:
@@ -140,8 +135,7 @@ def cache_bytes(model: Transformer, batch_size: int, length: int) -> tuple:
     it; the table [max(S, context), head_dim / 2, 2] float32, counted twice (building it holds its angles too)."""
     if model.max_batch_size >= batch_size and model.max_seq_length >= length:
         return 0, 0
-    if model.round_cache_length:
-        length = max(length, min(max(256, 1 << (length - 1).bit_length()), model.args.block_size))
+    length = model.cache_length(length)
     dtype = model.tok_embeddings.weight.dtype
     size = dtype.itemsize if dtype.is_floating_point else 4
     kv = sum(2 * batch_size * layer.attention.n_local_heads * layer.attention.head_dim * length * size

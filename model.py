@@ -305,9 +305,7 @@ class Transformer(nn.Module):
         """Allocate the KV cache and RoPE table once; nothing is reallocated per token."""
         if self.max_batch_size >= max_batch_size and self.max_seq_length >= max_seq_length:
             return
-        if self.round_cache_length:  # a power of two from 256, at most the context (unless more was asked for)
-            max_seq_length = max(max_seq_length, min(max(256, 1 << (max_seq_length - 1).bit_length()),
-                                                     self.args.block_size))
+        max_seq_length = self.cache_length(max_seq_length)
         dtype = dtype or self.tok_embeddings.weight.dtype
         if not dtype.is_floating_point:  # quantized embeddings keep their scales' dtype
             dtype = torch.float32
@@ -321,6 +319,13 @@ class Transformer(nn.Module):
         if table is None or table.shape[0] < positions or table.device != device:  # kept otherwise: a new table
             # object would make every compiled graph that reads it (its guards check the object) compile again
             self.register_buffer("rope_table", precompute_rope(self.args, positions).to(device), persistent=False)
+
+    def cache_length(self, length: int) -> int:
+        """The cache length setup_caches allocates for `length` positions: with round_cache_length a power of two
+        from 256, at most the context (unless more was asked for)."""
+        if not self.round_cache_length:
+            return length
+        return max(length, min(max(256, 1 << (length - 1).bit_length()), self.args.block_size))
 
     def forward(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None,
                 mask: Optional[Tensor] = None, block=None) -> Tensor:
