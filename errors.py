@@ -1,5 +1,6 @@
 """Errors a user can fix, and the file handling every command shares: one line per mistake, checkpoints read
-without running code, files written whole or not at all."""
+without running code, files written whole or not at all. Imports no torch at load time, so that a command can
+import it first and be interrupted with one line while torch loads (interruptible_imports)."""
 import errno
 import os
 import re
@@ -8,7 +9,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+
+def interruptible_imports(name: str):
+    """Called by a command as `interruptible_imports(__name__)` before its heavy imports (torch takes seconds): Ctrl-C
+    until run_cli starts is `error: interrupted` and exit status 130, not a traceback from inside an import.
+    Imported as a module (tests, other scripts), nothing changes."""
+    if name == "__main__":
+        signal.signal(signal.SIGINT, interrupted_while_starting)
+
+
+def interrupted_while_starting(*_):
+    print("error: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 class UserError(Exception):
@@ -24,6 +36,8 @@ def run_cli(main, explain=None, finish=None) -> int:
     explain(e): the line for another exception the command expects (None: not expected, re-raised);
     finish(error, status): last words (tensor parallelism)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if signal.getsignal(signal.SIGINT) is interrupted_while_starting:  # from here on Ctrl-C is ours to handle
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main()
         sys.stdout.flush()
@@ -71,6 +85,7 @@ def flag_names(message: str, flags: dict) -> str:
 def read_checkpoint(path) -> dict:
     """torch.load a checkpoint file safely (weights_only: tensors and plain containers, no code; memory-mapped).
     A file that is truncated, empty, random or not a dict is a UserError naming it."""
+    import torch
     try:
         checkpoint = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
     except Exception as e:  # truncated, empty, random bytes, a pickle that needs more than tensors
@@ -86,6 +101,7 @@ def check_tensors(state_dict: dict, path, fix="re-convert it") -> None:
     """Every key a string and every tensor a dense, real, non-quantized one with data (nested dicts too: a quantized
     file's "model"). A complex, sparse, meta or torch.qint8 tensor loads without complaint and fails mid-run, far
     from the file; here it is a UserError naming the file and the key."""
+    import torch
     for key, value in state_dict.items():
         if not isinstance(key, str):
             shown = " ".join(repr(key).split())[:60]  # one line, however odd the key
@@ -103,10 +119,11 @@ def check_tensors(state_dict: dict, path, fix="re-convert it") -> None:
                                 f"{fix}")
 
 
-def load_weights(model: torch.nn.Module, state_dict: dict, path) -> None:
+def load_weights(model, state_dict: dict, path) -> None:
     """load_state_dict(strict, assign) on a model built from config.json; a key that is not a string, a tensor
     check_tensors refuses, integers where the model holds floats (or the reverse), a missing or unexpected key, or
     a shape that disagrees is a UserError naming the file (and its config)."""
+    import torch
     check_tensors(state_dict, path)
     expected = model.state_dict()
     for key, value in state_dict.items():  # assign=True takes the file's dtypes: an int8 matmul fails mid-run
@@ -130,7 +147,7 @@ def write_atomically(path, write):
     path = Path(path)
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(path)
+    remove_stale_partials(directory)
     tmp = partial_file(path)
     try:
         write(tmp)
@@ -150,10 +167,10 @@ def write_files_atomically(directory, writers: dict):
     directory = Path(directory)
     created = [d for d in (directory, *directory.parents) if not d.exists()]  # deepest first
     directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(directory)
     new, spare, old, placed = {}, [], {}, []
     try:
         for name, write in writers.items():
-            remove_stale_partials(directory / name)
             new[name] = partial_file(directory / name)
             write(new[name])
             flush_to_disk(new[name])
@@ -208,15 +225,22 @@ def flush_to_disk(path: Path):
             raise
 
 
-def remove_stale_partials(path: Path):
-    """Remove `.NAME.partial-PID-*` files beside path whose process is gone."""
-    for leftover in path.parent.glob(f".{path.name}.partial-*"):
+PARTIAL_NAME = re.compile(r"\..+\.partial-(\d+)-\w+(\.pt2)?")  # partial_file's names (+ the AOTInductor package's)
+
+
+def remove_stale_partials(directory: Path):
+    """Remove the temp files (`.NAME.partial-PID-*`, any NAME) in directory whose process is gone: a writer killed
+    by SIGKILL runs no clean-up, and the next write of any writer there (another file name, another quantization,
+    a newer compiled graph's) removes its leftovers."""
+    for leftover in directory.glob(".*.partial-*"):
+        match = PARTIAL_NAME.fullmatch(leftover.name)
+        if not match:
+            continue
         try:
-            pid = int(leftover.name[len(f".{path.name}.partial-"):].split("-")[0])
-            os.kill(pid, 0)  # raises if no such process
+            os.kill(int(match[1]), 0)  # raises if no such process
         except ProcessLookupError:
             leftover.unlink(missing_ok=True)
-        except (ValueError, PermissionError, OSError):
+        except (ValueError, OverflowError, OSError):  # PermissionError: it runs, as another user
             pass
 
 

@@ -19,14 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
-from tqdm import tqdm
+from errors import UserError, check_output_file, flag_names, interruptible_imports, run_cli, write_output
 
-from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, compile_engine, sdpa_context
-from errors import UserError, check_output_file, flag_names, run_cli, write_output
-from generation import Generator, check_engine_settings, load_model
-from model import ModelArgs, Transformer
-from tokenizer import get_tokenizer
+interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, compile_engine, sdpa_context  # noqa: E402
+from generation import Generator, check_engine_settings, load_model  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- chunks: what is scored

@@ -12,11 +12,14 @@
 `tokenizer.json` is used as it is; `tokenizer.model` (sentencepiece) is converted as transformers 5 converts it for
 LlamaTokenizer. The rules that make the ids match transformers' are in docs/tokenizers-and-chat.md.
 """
+import inspect
 import json
+import re
+import string
 import threading
 import time
 from datetime import datetime
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, update_wrapper
 from pathlib import Path
 
 from errors import UserError
@@ -354,7 +357,9 @@ def proto_fields(data: bytes):
 # what one rendering of a chat template may spend (a real template renders a conversation in milliseconds)
 TEMPLATE_SECONDS = 5.0
 TEMPLATE_STEPS = 10**6  # range() items, summed over the rendering
-TEMPLATE_CHARS = 1 << 24  # characters written (16 Mi: more than any model's context), and the largest `str * n`
+TEMPLATE_CHARS = 1 << 24  # characters written (16 Mi: more than any model's context), and the largest value built
+TEMPLATE_INDENT = 1024  # tojson's widest indent (its nesting repeats it on every line)
+TEMPLATE_INT_BITS = 1 << 16  # the largest integer `*` and `**` build (~20,000 digits; str() stops at 4,300)
 
 
 class TemplateLimit(Exception):
@@ -377,6 +382,102 @@ class TemplateBudget:
         if time.monotonic() > self.deadline:
             raise TemplateLimit(f"runs longer than {TEMPLATE_SECONDS:g} s")
 
+    def build(self, size: int, what: str):
+        """Refuse a value of `size` characters or items before `what` builds it (and spend a step: the clock)."""
+        self.spend()
+        if size > TEMPLATE_CHARS:
+            raise TemplateLimit(f"builds a value of more than {TEMPLATE_CHARS} characters or items ({what})")
+
+
+def size_of(value) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else len(str(value))
+
+
+def format_size(fields: int, widths: list, fmt, args) -> int:
+    """The most a format string (printf's `%` or str.format) writes: its own text, each field at most the largest
+    argument, and every width or precision in full (`*` and nested `{}` widths come from the arguments)."""
+    values = list(args.values()) if isinstance(args, dict) else list(args) if isinstance(args, tuple) else [args]
+    numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    taken = sum(numbers) if any(w in ("*", "{") for w in widths) else 0
+    return len(fmt) + fields * max(map(size_of, values), default=0) + taken + \
+        sum(int(w) for w in widths if w.isdigit())
+
+
+def printf_size(fmt: str, args) -> int:
+    fields = PRINTF_FIELD.findall(fmt)
+    return format_size(len(fields), [w for field in fields for w in field if w], fmt, args)
+
+
+def str_format_size(fmt: str, args: tuple, kwargs: dict) -> int:
+    fields = [(name, spec or "") for _, name, spec, _ in string.Formatter().parse(fmt) if name is not None]
+    widths = [w for _, spec in fields for w in re.findall(r"\d+|\{", spec)]
+    return format_size(len(fields), widths, fmt, (*args, *kwargs.values()))
+
+
+def total_size(items) -> int:
+    return len(items) if isinstance(items, (str, bytes)) else sum(map(size_of, items))
+
+
+def lines(text) -> int:
+    return str(text).count("\n") + 1
+
+
+# An upper bound on what a filter or a str / bytes / int method builds, for those whose size an argument sets rather
+# than the value (`'x' | center(10**9)`, `'%*d' | format(10**9, 1)`, `'ab'.replace('', s)`): checked before the call.
+# Each gets the value and the call's arguments by parameter name (defaults filled in).
+BUILDS = {
+    "center": lambda v, a: max(size_of(v), a["width"]),
+    "ljust": lambda v, a: max(size_of(v), a["width"]),
+    "rjust": lambda v, a: max(size_of(v), a["width"]),
+    "zfill": lambda v, a: max(size_of(v), a["width"]),
+    "indent": lambda v, a: size_of(v) + lines(v) * (a["width"] if isinstance(a["width"], int) else len(a["width"])),
+    "expandtabs": lambda v, a: size_of(v) + str(v).count("\t") * a["tabsize"],
+    "replace": lambda v, a: size_of(v) + len(a["new"]) * (v.count(a["old"]) if a["old"] else len(v) + 1),
+    "join": lambda v, a: total_size(a.get("iterable", v)) + len(a.get("d", v)) * len(a.get("iterable", v)),
+    "translate": lambda v, a: size_of(v) * max([size_of(t) for t in a["table"].values() if t is not None] or [1])
+    if isinstance(a["table"], dict) else size_of(v),
+    "to_bytes": lambda v, a: a["length"],
+    "format": lambda v, a: printf_size(str(v), a["args"] or a["kwargs"]),
+    "batch": lambda v, a: a["linecount"] if a["fill_with"] is not None else 0,
+    "slice": lambda v, a: a["slices"],
+    "wordwrap": lambda v, a: size_of(v) * (1 + len(a["wrapstring"] or "\n")),
+    "sum": lambda v, a: 0 if isinstance(a["start"], (int, float)) else len(v) * total_size(v),  # copies: n^2
+}
+PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
+
+
+def bounded(budget, name: str, function, value, args: tuple, kwargs: dict):
+    """function(*args, **kwargs), a filter (value None: it is among the arguments) or a method of `value`, with what
+    it builds bounded: BUILDS' estimate before the call (a generator `join`s or `sum`s is read into a list first),
+    the size of the result after it."""
+    estimate = BUILDS.get(name)
+    if estimate is not None:
+        # jinja's async-capable filters take an eval context their (wrapped) signature does not name
+        target = inspect.unwrap(function)
+        extra = args[:1] if hasattr(function, "jinja_pass_arg") and not hasattr(target, "jinja_pass_arg") else ()
+        try:
+            bound = inspect.signature(target).bind(*args[len(extra):], **kwargs)
+            bound.apply_defaults()
+        except (TypeError, ValueError):  # wrong arguments: the call itself says so
+            bound = None
+        if bound is not None:
+            a = bound.arguments
+            for key in ("value", "iterable"):  # a filter's value, join's argument: len() must work, and reading
+                if name in ("join", "sum") and key in a and not hasattr(a[key], "__len__"):  # it must not use it up
+                    a[key] = list(a[key])
+            if value is None:  # a filter's value: its first parameter after any context or environment
+                value = next((a[k] for k in ("value", "s", "iterable") if k in a), None)
+            try:
+                size = estimate(value, a)
+            except (TypeError, ValueError, AttributeError, KeyError):  # arguments of the wrong type: the call fails
+                size = 0
+            budget.build(size, name)
+            args, kwargs = (*extra, *bound.args), bound.kwargs
+    result = function(*args, **kwargs)
+    if isinstance(result, (str, bytes, list, tuple, dict)):
+        budget.build(len(result), name)
+    return result
+
 
 @lru_cache(maxsize=8)
 def compile_template(template: str):
@@ -384,6 +485,7 @@ def compile_template(template: str):
     lstrip_blocks, loop controls, raise_exception / strftime_now / a JSON `tojson`, `{% generation %}` blocks; each
     rendering bounded in loops, output and time (TemplateBudget)."""
     import jinja2
+    import jinja2.compiler
     import jinja2.ext
     import jinja2.sandbox
 
@@ -428,12 +530,33 @@ def compile_template(template: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        """json.dumps, written piece by piece within the budget (an indent of 10**9 spaces is refused first)."""
+        if (indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0) > TEMPLATE_INDENT:
+            raise TemplateLimit(f"indents JSON by more than {TEMPLATE_INDENT} characters")
+        chunks, size = [], 0
+        for chunk in json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                      sort_keys=sort_keys).iterencode(x):
+            size += len(chunk)
+            env.budget().build(size, "tojson")
+            chunks.append(chunk)
+        return "".join(chunks)
+
+    class Concat(jinja2.compiler.CodeGenerator):
+        """`a ~ b` as environment.concat(...), so that its size is checked like the other operators'."""
+        def visit_Concat(self, node, frame):
+            self.write("environment.concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
 
     class Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-        """The sandbox, every call, range() item and `*` / `**` spending from the rendering's TemplateBudget: a
-        template is code from the checkpoint's directory, and nested loops would otherwise run for hours."""
-        intercepted_binops = frozenset({"*", "**"})
+        """The sandbox, every call, filter, range() item and operator spending from the rendering's TemplateBudget,
+        and every value built bounded in size (before it is built where an argument sets the size): a template is
+        code from the checkpoint's directory; nested loops would otherwise run for hours, `'x' | center(10**9)`
+        take a gigabyte."""
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+        code_generator_class = Concat
 
         def start_budget(self) -> "TemplateBudget":
             self.local.budget = TemplateBudget()
@@ -446,26 +569,62 @@ def compile_template(template: str):
             args[0].budget().spend()
             return jinja2.sandbox.ImmutableSandboxedEnvironment.call(*args, **kwargs)
 
+        def concat(self, values):
+            parts = [str(v) for v in values]
+            self.budget().build(sum(map(len, parts)), "~")
+            return "".join(parts)
+
         def call_binop(self, context, operator, left, right):
             self.budget().spend()
             for sequence, n in ((left, right), (right, left)):
                 if operator == "*" and isinstance(sequence, (str, list, tuple)) and isinstance(n, int) \
                         and len(sequence) * n > TEMPLATE_CHARS:
                     raise TemplateLimit(f"builds a sequence of more than {TEMPLATE_CHARS} items")
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                self.budget().build(len(left) + len(right), "+")
+            if operator == "%" and isinstance(left, str):
+                self.budget().build(printf_size(left, right), "%")
+            if operator == "*" and isinstance(left, int) and isinstance(right, int) and \
+                    left.bit_length() + right.bit_length() > TEMPLATE_INT_BITS:
+                raise TemplateLimit(f"multiplies integers of more than {TEMPLATE_INT_BITS} bits")
             if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
-                    and right > 1024:  # an integer of millions of digits takes minutes
-                raise TemplateLimit(f"raises {left} to the power {right}")
+                    and right > 0 and left.bit_length() * right > TEMPLATE_INT_BITS:  # millions of digits: minutes
+                raise TemplateLimit(f"raises {left if left.bit_length() <= 64 else 'a huge integer'} to the power "
+                                    f"{right}")
             return super().call_binop(context, operator, left, right)
+
+        def wrap_str_format(self, value):
+            """A method the template reaches (`'x'.center`, `s.format`) as one that bounds what it builds."""
+            owner, name = getattr(value, "__self__", None), getattr(value, "__name__", None)
+            if not isinstance(owner, (str, bytes, int)) or isinstance(owner, bool) or \
+                    name not in (*BUILDS, "format", "format_map"):
+                return None
+            method = super().wrap_str_format(value) or value  # format, format_map: jinja's sandboxed formatter
+
+            def run(*args, **kwargs):
+                if name in ("format", "format_map"):
+                    mapping = args[0] if name == "format_map" and args and isinstance(args[0], dict) else {}
+                    self.budget().build(str_format_size(owner, args if name == "format" else (), {**kwargs, **mapping}),
+                                        name)
+                    return bounded(self.budget(), "", method, owner, args, kwargs)
+                return bounded(self.budget(), name, value, owner, args, kwargs)
+            return run
 
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.local = threading.local()  # one budget per rendering thread (the server renders on several)
 
     def budget_range(*args):
-        items = jinja2.sandbox.safe_range(*args)
-        env.budget().spend(len(items))
-        return items
+        env.budget().spend(len(range(*args)))
+        return jinja2.sandbox.safe_range(*args)
+
+    def bounded_filter(name, function):
+        def run(*args, **kwargs):
+            return bounded(env.budget(), name, function, None, args, kwargs)
+        return update_wrapper(run, function)  # keeps jinja's pass_context / pass_environment mark
 
     env.filters["tojson"] = tojson
+    env.filters.update({name: bounded_filter(name, f) for name, f in env.filters.items()})
+    del env.globals["lipsum"]  # lipsum(n=10**9) writes for hours; no chat template uses it
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                        namespace=Namespace, dict=Dict(), range=budget_range)
     return env.from_string(template)

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, run_cli  # noqa: E402
+from errors import UserError, interruptible_imports, run_cli  # noqa: E402
+
+interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 from generation import Generator, Sampling, Speculation, check_engine_settings  # noqa: E402
 
 

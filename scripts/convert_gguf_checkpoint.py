@@ -23,8 +23,10 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, run_cli, write_files_atomically
-from model import ModelArgs
+from errors import UserError, interruptible_imports, run_cli, write_files_atomically  # noqa: E402
+
+interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
+from model import ModelArgs  # noqa: E402
 
 import gguf
 import numpy as np
@@ -62,7 +64,14 @@ def read_gguf(path: Path):
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError, IndexError) as e:
         raise UserError(f"{path} is not a readable GGUF file ({e}): pass a .gguf file written by llama.cpp") from None
-    return {key: field.contents() for key, field in reader.fields.items()}, {t.name: t for t in reader.tensors}
+    meta = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: metadata '{key}' is not UTF-8 text: the file is damaged; download it "
+                            f"again") from None
+    return meta, {t.name: t for t in reader.tensors}
 
 
 def require(path: Path, meta: dict, key: str, default=None):
@@ -79,6 +88,37 @@ def count(path: Path, meta: dict, key: str, default=None, limit=2**24) -> int:
         raise UserError(f"{path}: metadata '{key}' is {str(value)[:40]}, not an integer in [1, {limit}]: the file is "
                         f"damaged or not a usable model; download it again")
     return int(value)
+
+
+def listing(path: Path, meta: dict, key: str, kind, length=None) -> list:
+    """A list in the metadata whose items are all `kind` (str, int or float: numbers not NaN), of `length` items
+    where given (token types and scores: one per token)."""
+    value = require(path, meta, key)
+    what = {str: "strings", int: "integers", float: "numbers"}[kind]
+    ok = isinstance(value, list) and all(
+        isinstance(v, str) if kind is str else
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) if kind is int else
+        isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v for v in value)
+    if not ok:
+        raise UserError(f"{path}: metadata '{key}' is not a list of {what}: the file is damaged; download it again")
+    if length is not None and len(value) != length:
+        raise UserError(f"{path}: metadata '{key}' has {len(value)} entries for {length} tokens: the file is "
+                        f"damaged; download it again")
+    return value
+
+
+def merge_pairs(path: Path, meta: dict, vocab: dict) -> list:
+    """tokenizer.ggml.merges, "LEFT RIGHT" strings, as (LEFT, RIGHT) pairs split where llama.cpp splits them (the
+    first space after the first character); both parts and their merge must be tokens of the vocabulary."""
+    pairs = []
+    for i, merge in enumerate(listing(path, meta, "tokenizer.ggml.merges", str)):
+        cut = merge.find(" ", 1)
+        left, right = merge[:cut], merge[cut + 1:]
+        if cut < 0 or not right or not {left, right, left + right} <= vocab.keys():
+            raise UserError(f"{path}: metadata 'tokenizer.ggml.merges' entry {i} ({merge[:40]!r}) is not two tokens "
+                            f"of the vocabulary separated by a space: the file is damaged; download it again")
+        pairs.append((left, right))
+    return pairs
 
 
 def positive(path: Path, meta: dict, key: str, default: float) -> float:
@@ -115,6 +155,7 @@ def model_args(meta: dict, tensors: dict, path: Path) -> ModelArgs:
     if not isinstance(tokens, list) or not 0 < len(tokens) <= 2**24:
         raise UserError(f"{path}: metadata 'tokenizer.ggml.tokens' is {'empty' if tokens == [] else 'not a list'}, "
                         f"not a vocabulary: the file is damaged; download it again")
+    listing(path, meta, "tokenizer.ggml.tokens", str)
     args = ModelArgs(
         dim=dim, n_layer=size("llama.block_count", limit=4096), n_head=n_head, n_local_heads=n_kv, head_dim=head_dim,
         intermediate_size=size("llama.feed_forward_length", limit=2**20), vocab_size=len(tokens),
@@ -198,8 +239,19 @@ def dequantize(tensor, dtype) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the tokenizer
 
 def build_tokenizer(meta: dict, path: Path):
-    """(tokenizers.Tokenizer, tokenizer_config dict) as transformers builds them from the same metadata."""
+    """(tokenizers.Tokenizer, tokenizer_config dict) as transformers builds them from the same metadata; token types,
+    scores, merges, flags and the chat template of the wrong type or length are a UserError naming their key."""
     kind, tokens = meta.get("tokenizer.ggml.model"), list(meta["tokenizer.ggml.tokens"])
+    types = listing(path, meta, "tokenizer.ggml.token_type", int, len(tokens)) \
+        if "tokenizer.ggml.token_type" in meta else [1] * len(tokens)
+    scores = listing(path, meta, "tokenizer.ggml.scores", float, len(tokens)) \
+        if "tokenizer.ggml.scores" in meta else None
+    for key, want in (("add_bos_token", bool), ("add_eos_token", bool), ("chat_template", str), ("model", str),
+                      ("pre", str)):
+        key = f"tokenizer.{key}" if key == "chat_template" else f"tokenizer.ggml.{key}"
+        if key in meta and not isinstance(meta[key], want):
+            raise UserError(f"{path}: metadata '{key}' is {str(meta[key])[:40]!r}, not a "
+                            f"{'boolean' if want is bool else 'string'}: the file is damaged; download it again")
     if kind == "gpt2":  # byte-level BPE (Llama 3, SmolLM)
         pre = meta.get("tokenizer.ggml.pre", "default")
         if pre not in _BPE_SPLITS:
@@ -209,8 +261,8 @@ def build_tokenizer(meta: dict, path: Path):
         to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         alphabet = set(pre_tokenizers.ByteLevel.alphabet())
         spelled = [t if set(t) <= alphabet else "".join(p for p, _ in to_bytes.pre_tokenize_str(t)) for t in tokens]
-        merges = [tuple(m.split(" ")) for m in require(path, meta, "tokenizer.ggml.merges")]
-        tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(spelled)}, merges, fuse_unk=False,
+        vocab = {t: i for i, t in enumerate(spelled)}
+        tokenizer = Tokenizer(models.BPE(vocab, merge_pairs(path, meta, vocab), fuse_unk=False,
                                          continuing_subword_prefix="", end_of_word_suffix=""))
         split = _BPE_SPLITS[pre]
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else \
@@ -220,8 +272,8 @@ def build_tokenizer(meta: dict, path: Path):
         whole = {t for t in tokens if set(t) <= alphabet}  # tokens that can be matched whole: not respelled ones
     elif kind == "llama":  # sentencepiece BPE with byte fallback (Llama 2, TinyLlama, Mistral)
         vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]] if "tokenizer.ggml.merges" in meta \
-            else merges_from_scores(vocab, dict(zip(tokens, require(path, meta, "tokenizer.ggml.scores"))))
+        merges = merge_pairs(path, meta, vocab) if "tokenizer.ggml.merges" in meta \
+            else merges_from_scores(vocab, dict(zip(tokens, scores or require(path, meta, "tokenizer.ggml.scores"))))
         tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
         tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -231,13 +283,12 @@ def build_tokenizer(meta: dict, path: Path):
         raise UserError(f"{path}: tokenizer type '{kind}' is not supported (supported: gpt2, llama)")
 
     # unknown, control and named tokens are special tokens, matched whole; so are user-defined ones, unspecial
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     keys = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
             "pad_token": "padding_token_id"}
     ids = {name: meta[f"tokenizer.ggml.{key}"] for name, key in keys.items() if f"tokenizer.ggml.{key}" in meta}
     for name, i in ids.items():
         if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(tokens):
-            raise UserError(f"{path}: metadata 'tokenizer.ggml.{keys[name]}' is {str(i)[:40]}, not a token id below "
+            raise UserError(f"{path}: metadata 'tokenizer.ggml.{keys[name]}' is {repr(i)[:40]}, not a token id below "
                             f"{len(tokens)}: the file is damaged; download it again")
     named = {name: tokens[i] for name, i in ids.items()}
     special = [t for t, type_ in zip(tokens, types) if type_ in (_UNKNOWN, _CONTROL) and t in whole]

@@ -14,10 +14,13 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+import errors  # noqa: E402
 from errors import UserError, check_tensors, load_weights, run_cli, write_files_atomically  # noqa: E402
+
+errors.interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
+import torch  # noqa: E402
+
 from model import ModelArgs, Transformer  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -32,12 +32,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import sentencepiece
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, run_cli, write_atomically  # noqa: E402
+from errors import UserError, interruptible_imports, run_cli, write_atomically  # noqa: E402
+
+interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
+import sentencepiece  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 from model import ModelArgs, Transformer  # noqa: E402
 
 BOS_ID, EOS_ID = 1, 2

@@ -134,7 +134,7 @@ def test_quantized_checkpoint_is_checked_inside_its_model_dict(tmp_path, state_d
 
 def hf_dir(directory: Path, state_dict: dict, how="safetensors") -> Path:
     """A Hugging Face checkpoint directory of the tiny model (config.json + one shard)."""
-    directory.mkdir(parents=True)
+    directory.mkdir(parents=True, exist_ok=True)
     args = ModelArgs(**TINY)
     (directory / "config.json").write_text(json.dumps(args.to_hf_config()))
     hf = {k: v.clone().contiguous() for k, v in convert_hf.ours_to_hf(state_dict, args).items()}
@@ -188,7 +188,7 @@ def write_gguf(path: Path, **changes) -> Path:
             continue
         if isinstance(value, list):
             writer.add_array(key, value)
-        elif isinstance(value, str):
+        elif isinstance(value, (str, bytes)):  # bytes: written as they are (not UTF-8, say)
             writer.add_string(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
@@ -235,6 +235,27 @@ BAD_METADATA = {  # id: (metadata changes, the GGUF key the line names)
     "bos-out-of-vocabulary": (dict(tokenizer__ggml__bos_token_id=10**6), "tokenizer.ggml.bos_token_id"),
     "linear-rope-factor-nan": (dict(llama__rope__scaling__type="linear", llama__rope__scaling__factor=NAN),
                                "llama.rope.scaling.factor"),
+    # the tokenizer's metadata: types, lengths, merges that name no tokens
+    "tokens-not-strings": (dict(tokenizer__ggml__tokens=list(range(257))), "tokenizer.ggml.tokens"),
+    "merges-not-strings": (dict(tokenizer__ggml__merges=[1, 2]), "tokenizer.ggml.merges"),
+    "merges-not-a-list": (dict(tokenizer__ggml__merges="a b"), "tokenizer.ggml.merges"),
+    "merge-without-space": (dict(tokenizer__ggml__merges=["ab"]), "tokenizer.ggml.merges"),
+    "merge-of-three": (dict(tokenizer__ggml__merges=["a b c"]), "tokenizer.ggml.merges"),
+    "merge-of-unknown-tokens": (dict(tokenizer__ggml__merges=["x yz"]), "tokenizer.ggml.merges"),
+    "merge-into-unknown-token": (dict(tokenizer__ggml__merges=["b a"]), "tokenizer.ggml.merges"),
+    "token-types-short": (dict(tokenizer__ggml__token_type=[1]), "tokenizer.ggml.token_type"),
+    "token-types-not-integers": (dict(tokenizer__ggml__token_type=["x"] * 257), "tokenizer.ggml.token_type"),
+    "token-types-not-a-list": (dict(tokenizer__ggml__token_type=3), "tokenizer.ggml.token_type"),
+    "scores-short": (dict(tokenizer__ggml__scores=[1.0]), "tokenizer.ggml.scores"),
+    "scores-not-numbers": (dict(tokenizer__ggml__scores=["a"] * 257), "tokenizer.ggml.scores"),
+    "scores-nan": (dict(tokenizer__ggml__model="llama", tokenizer__ggml__merges=None,
+                        tokenizer__ggml__scores=[NAN] * 257), "tokenizer.ggml.scores"),
+    "pre-tokenizer-not-a-string": (dict(tokenizer__ggml__pre=["x"]), "tokenizer.ggml.pre"),
+    "tokenizer-model-not-a-string": (dict(tokenizer__ggml__model=["gpt2"]), "tokenizer.ggml.model"),
+    "add-bos-not-a-boolean": (dict(tokenizer__ggml__add_bos_token="no"), "tokenizer.ggml.add_bos_token"),
+    "chat-template-not-a-string": (dict(tokenizer__chat_template=5), "tokenizer.chat_template"),
+    "chat-template-not-utf8": (dict(tokenizer__chat_template=b"{{ \xff }}"), "tokenizer.chat_template"),
+    "bos-id-a-string": (dict(tokenizer__ggml__bos_token_id="1"), "tokenizer.ggml.bos_token_id"),
 }
 
 
@@ -334,6 +355,71 @@ def test_failed_hf_conversion_writes_neither_config_nor_weights(tmp_path, state_
     monkeypatch.setitem(model_module.KNOWN_CONFIGS, "tiny-bad-files", TINY)
     convert_hf.main(["--checkpoint_dir", str(directory)])
     assert sorted(os.listdir(directory)) == sorted(before + ["config.json", "model.pth"])
+
+
+# ----------------------------------------------------------------------------- leftovers of a killed write
+
+@pytest.fixture(scope="module")
+def dead_pid() -> int:
+    """The id of a process that has exited (nothing runs under it, unless reused: unlikely)."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def quantized(directory: Path, tmp_path: Path):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(ModelArgs(**TINY).to_hf_config()))
+    torch.save(tiny_state_dict(), directory / "model.pth")
+    quantize.main(["--checkpoint_path", str(directory / "model.pth"), "--mode", "int8"])
+
+
+def gguf_converted(directory: Path, tmp_path: Path):
+    import convert_gguf_checkpoint as convert_gguf
+    convert_gguf.main(["--gguf", str(write_gguf(tmp_path / "m.gguf")), "--out_dir", str(directory)])
+
+
+def hf_converted(directory: Path, tmp_path: Path):
+    convert_hf.main(["--checkpoint_dir", str(hf_dir(directory, tiny_state_dict()))])
+
+
+def gguf_downloaded(directory: Path, tmp_path: Path):  # from an installed package holding a .gguf
+    (tmp_path / "site" / "fastgen_test_gguf").mkdir(parents=True)
+    (tmp_path / "site" / "fastgen_test_gguf" / "__init__.py").write_text("")
+    (tmp_path / "site" / "fastgen_test_gguf" / "tiny.gguf").write_bytes(b"GGUF")
+    sys.path.insert(0, str(tmp_path / "site"))
+    try:
+        download.gguf_from_package("fastgen_test_gguf", directory.parent)
+    finally:
+        sys.path.remove(str(tmp_path / "site"))
+
+
+def graph_stored(directory: Path, tmp_path: Path):  # compile_model's and --compile's stored graphs
+    import artifacts
+    artifacts.store(directory, "forward-k2", "k2", {}, lambda tmp: Path(tmp).write_bytes(b"library"))
+
+
+def stats_written(directory: Path, tmp_path: Path):  # generate.py's and eval.py's --stats_json, --profile
+    errors.write_output(directory / "stats.json", "stats_json", lambda tmp: tmp.write_text('{"perplexity": 1}'))
+
+
+WRITERS = [quantized, gguf_converted, hf_converted, gguf_downloaded, graph_stored, stats_written]
+
+
+@pytest.mark.parametrize("writer", WRITERS, ids=[w.__name__ for w in WRITERS])
+def test_every_writer_removes_leftovers_of_killed_writes(tmp_path, writer, dead_pid):
+    """A write killed by SIGKILL leaves its temp files, under its own name or another (another quantization, an
+    older graph, a conversion's side files): the next write of any command in the directory removes them, and
+    leaves those of a write still running."""
+    directory = tmp_path / "gguf" if writer is gguf_downloaded else tmp_path / "ckpt"
+    directory.mkdir()
+    stale = [f".model_int4.g32.pth.partial-{dead_pid}-a1b2c3d4", f".config.json.partial-{dead_pid}-x",
+             f".forward-k1.so.partial-{dead_pid}-q9w8e7r6.pt2", f".tokenizer.json.partial-{dead_pid}-z"]
+    running = f".model.pth.partial-{os.getpid()}-e5f6g7h8"
+    for name in [*stale, running]:
+        (directory / name).write_bytes(b"left")
+    writer(directory, tmp_path)
+    left = sorted(p.name for p in directory.iterdir() if ".partial-" in p.name)
+    assert left == [running]
 
 
 # ----------------------------------------------------------------------------- 4. a shard index leaving its directory

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import generation
+import tokenizer
 from helpers import ROOT, cli
 
 
@@ -73,6 +74,47 @@ def test_rope_table_beyond_memory_names_the_config(random_target, tmp_path, caps
     assert_one_line(result, checkpoint.parent / "config.json", "max_position_embeddings")
 
 
+def cgroup(root: Path, **files) -> Path:
+    """A fake cgroup file system: files given as keyword arguments, `/` written `__` (memory__max)."""
+    for name, text in files.items():
+        path = root / name.replace("__", "/").replace("_dot_", ".")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+GIB = 1 << 30
+CGROUPS = {  # id: (files, /proc/self/cgroup, bytes free)
+    "v2": ({"memory_dot_max": f"{GIB}\n", "memory_dot_current": f"{GIB // 2}\n",
+            "memory_dot_stat": "anon 1\nactive_file 1024\ninactive_file 3072\n"}, "0::/\n", GIB // 2 + 4096),
+    "v2-unlimited": ({"memory_dot_max": "max\n", "memory_dot_current": "5\n"}, "0::/\n", None),
+    "v2-parent-tighter": ({"a__memory_dot_max": "max\n", "a__memory_dot_current": "10\n",
+                           "memory_dot_max": "1000\n", "memory_dot_current": "300\n"}, "0::/a\n", 700),
+    "v2-over-limit": ({"memory_dot_max": "100\n", "memory_dot_current": "200\n"}, "0::/\n", 0),
+    "v1": ({"memory__memory_dot_limit_in_bytes": f"{GIB}\n", "memory__memory_dot_usage_in_bytes": f"{GIB - 100}\n",
+            "memory__memory_dot_stat": "cache 7\ntotal_inactive_file 50\ninactive_file 1\n"},
+           "4:memory:/docker/x\n0::/\n", 150),
+    "v1-unlimited": ({"memory__memory_dot_limit_in_bytes": "9223372036854771712\n",
+                      "memory__memory_dot_usage_in_bytes": "5\n"}, "4:memory:/\n", None),
+    "none": ({}, "0::/\n", None),
+}
+
+
+@pytest.mark.parametrize("files, self_cgroup, free", CGROUPS.values(), ids=CGROUPS.keys())
+def test_cgroup_memory_limit_is_read(tmp_path, files, self_cgroup, free):
+    (tmp_path / "self").write_text(self_cgroup)
+    root = cgroup(tmp_path / "cgroup", **files)
+    assert generation.cgroup_available_memory(root, tmp_path / "self") == free
+
+
+def test_cpu_memory_is_the_smaller_of_host_and_cgroup(tmp_path):
+    """A container's limit, far below what the host has free, is the figure sizes are checked against."""
+    root = cgroup(tmp_path, memory_dot_max=f"{1 << 20}", memory_dot_current="0")
+    assert generation.available_memory("cpu", cgroup_root=root) == 1 << 20
+    assert generation.available_memory("cpu", cgroup_root=tmp_path / "none") == generation.host_available_memory() \
+        or generation.host_available_memory() is None
+
+
 # ----------------------------------------------------------------------------- chat templates: loops, output, time
 
 @pytest.mark.parametrize("template, limit", [
@@ -86,6 +128,63 @@ def test_costly_chat_template_fails_fast(template, limit, random_target, tmp_pat
     (checkpoint.parent / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     result = run_cli(capsys, *argv_for(checkpoint, "--chat"))
     assert_one_line(result, f"chat template in {checkpoint.parent / 'tokenizer_config.json'}", limit, bound=8)
+
+
+class TemplateOnly(tokenizer.Tokenizer):
+    """A tokenizer with nothing but a chat template: render_chat alone, in this process."""
+    def __init__(self, template):
+        self.special_tokens, self.directory = {"bos_token": "<s>"}, Path("checkpoint")
+        self.chat_template, self.chat_template_source = template, "checkpoint/tokenizer_config.json"
+
+
+HUGE_TEMPLATES = {  # id: (template, what the line names); each would take a gigabyte or hours if let run
+    "center-filter": ("{{ 'x' | center(10**9) }}", "center"),
+    "center-literal": ("{{ 'x' | center(1000000000) }}", "center"),  # folded while compiling, were it allowed
+    "center-method": ("{{ 'x'.center(10**9) }}", "center"),
+    "method-by-item": ("{{ 'x'['ljust'](10**9) }}", "ljust"),
+    "zfill": ("{{ '1'.zfill(10**9) }}", "zfill"),
+    "indent": ("{{ 'x' | indent(10**9) }}", "indent"),
+    "printf-star": ("{{ '%*d' | format(10**9, 1) }}", "format"),
+    "printf-width": ("{{ '%01000000000d' % 1 }}", "%"),
+    "str-format-width": ("{{ '{:1000000000}'.format(1) }}", "format"),
+    "str-format-nested": ("{{ '{:{}}'.format(1, 10**9) }}", "format"),
+    "join-separator": ("{{ ('x' * 1000) | join('y' * 16000000) }}", "join"),
+    "join-method": ("{{ ('y' * 16000000).join('x' * 1000) }}", "join"),
+    "replace-empty": ("{{ ('x' * 10000) | replace('', 'y' * 10000) }}", "replace"),
+    "translate": ("{{ 'aaaa'.translate({97: 'x' * 10000000}) }}", "translate"),
+    "expandtabs": ("{{ ('\t' * 1000).expandtabs(10**7) }}", "expandtabs"),
+    "to-bytes": ("{{ (1).to_bytes(10**9, 'big') }}", "to_bytes"),
+    "batch-fill": ("{{ 'x' | batch(10**9, 'y') | list }}", "batch"),
+    "slice": ("{{ 'x' | slice(10**9) | list }}", "slice"),
+    "sum-lists": ("{{ ([[0] * 16] * 1000000) | sum(start=[]) }}", "sum"),
+    "tojson-indent": ("{{ messages | tojson(indent=10**9) }}", "indent"),
+    "doubling-tilde": ("{% set ns = namespace(s='x' * 10**6) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                       "{% endfor %}{{ ns.s }}", "~"),
+    "doubling-plus": ("{% set ns = namespace(s='x' * 10**6) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+                      "{% endfor %}{{ ns.s }}", "+"),
+    "range-list": ("{{ range(10**9) | list }}", "loops"),
+    "power-of-power": ("{{ (10**1024)**1024 }}", "power"),
+    "lipsum": ("{{ lipsum(10**9) }}", "lipsum"),
+}
+
+
+@pytest.mark.parametrize("template, names", HUGE_TEMPLATES.values(), ids=HUGE_TEMPLATES.keys())
+def test_template_building_a_huge_value_is_refused_before_it(template, names):
+    t0 = time.monotonic()
+    with pytest.raises(generation.UserError) as refused:
+        TemplateOnly(template).render_chat([{"role": "user", "content": "hi"}])
+    line = str(refused.value)
+    assert line.startswith("chat template in checkpoint/tokenizer_config.json") and names in line, line
+    assert "\n" not in line and time.monotonic() - t0 < 2
+
+
+def test_template_filters_and_methods_of_ordinary_size_still_work():
+    template = ("{% for m in messages %}{{ m['role'] | center(8) }}|{{ m.content | indent(2) }}|"
+                "{{ '%s-%d' | format('a', 3) }}|{{ '{}:{:>3}'.format(m.role, 1) }}|{{ ['a', 'b'] | join(', ') }}|"
+                "{{ m.content.replace('h', 'H') }}|{{ 'x' ~ 'y' }}|{{ [1] + [2] }}|{{ '%s' % 'z' }}|{{ 2 ** 10 }}|"
+                "{{ messages | map(attribute='content') | join('/') }}|{{ m | tojson }}{% endfor %}")
+    assert TemplateOnly(template).render_chat([{"role": "user", "content": "hi"}]) == \
+        '  user  |hi|a-3|user:  1|a, b|Hi|xy|[1, 2]|z|1024|hi|{"role": "user", "content": "hi"}'
 
 
 # ----------------------------------------------------------------------------- NaN logits after the prefill
@@ -187,3 +286,20 @@ def test_ctrl_c_while_importing_is_one_line(random_target):
     else:
         pytest.skip("could not send SIGINT while generate.py was importing")
     assert process.returncode == 130 and stderr.strip() == "error: interrupted", stderr
+
+
+COMMANDS = ["generate.py", "quantize.py", "eval.py", "serve.py", "scripts/convert_hf_checkpoint.py",
+            "scripts/convert_gguf_checkpoint.py", "scripts/compile_model.py", "scripts/train_tiny.py"]
+INTERRUPTING_TORCH = "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_ctrl_c_while_any_command_imports_is_one_line(command, tmp_path):
+    """Every command that loads torch: Ctrl-C as it loads, made certain by a stand-in torch that interrupts its own
+    import (a new interpreter without the real torch: a tenth of a second)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(INTERRUPTING_TORCH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, command], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130 and result.stderr.strip() == "error: interrupted", result.stderr
