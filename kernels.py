@@ -1,8 +1,14 @@
 """CPU kernel choice: which memory layout and which library multiplies a weight fastest on this machine. A runtime
 choice made before the first forward: the same products, summed in another order (float32 rounding apart, the same
-results); state dict keys, shapes and tied weights are unchanged. Measurements: BENCHMARKS.md."""
+results); state dict keys, shapes and tied weights are unchanged. Measurements: BENCHMARKS.md. Also the loader of
+kernels_a8.cpp, the integer kernels of the int8-a8 / int4-a8 schemes (quantize.py)."""
 import functools
+import hashlib
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -80,3 +86,54 @@ def use_fast_weight_layout(model: torch.nn.Module):
         if hasattr(module, "pack") and weight is not None and weight.device.type == "cpu" \
                 and weight.dtype == torch.float32 and onednn_is_faster(*weight.shape):
             module.pack()
+
+
+# ----------------------------------------------------------------------------- int8 / int4 times 8-bit activations
+
+# kernels_a8.cpp implements these for the CPU; defined here so that graphs trace them whether or not it builds
+_LIBRARY.define("a8_int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor")
+_LIBRARY.define("a8_int4_linear(Tensor x, Tensor weight, Tensor scales_and_zeros, int groupsize) -> Tensor")
+_LIBRARY.define("a8_quantize(Tensor x, int padded) -> (Tensor, Tensor)")
+_LIBRARY.define("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor")  # float32 x, int8-a8's weight layout
+
+
+@torch.library.register_fake("fastgen::a8_int8_linear")
+def _(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("fastgen::int8_linear")
+def _(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("fastgen::a8_int4_linear")
+def _(x: Tensor, weight: Tensor, scales_and_zeros: Tensor, groupsize: int) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+A8_SOURCE = Path(__file__).with_name("kernels_a8.cpp")
+
+
+@functools.cache
+def a8_kernels() -> bool:
+    """Whether the a8 operators run here: kernels_a8.cpp built at first use (seconds, once per source, torch version
+    and user) into $TORCH_EXTENSIONS_DIR or ~/.cache/fastgen/ext, then loaded. Without a working C++
+    compiler, one line on stderr, and the a8 layers use the weight-only kernels."""
+    from torch.utils import cpp_extension
+    source = A8_SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastgen" / "ext"
+    directory = Path(root) / f"fastgen_a8_{digest}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(f"fastgen_a8_{digest}", [str(A8_SOURCE)], build_directory=str(directory),
+                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        print(f"cannot build {A8_SOURCE.name} ({reason}): int8-a8 / int4-a8 layers use the weight-only kernels; "
+              f"install a C++ compiler and ninja (the ones torch.compile uses) for the integer kernels",
+              file=sys.stderr)
+        return False
+    return True

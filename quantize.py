@@ -5,22 +5,29 @@
 int8: s = max|w| / 127 per row, q = round(w / s). int4, per group of G inputs: s = (max - min) / 15, z = min + 8 * s,
 q = round((w - z) / s) + 8 in [0, 15] (tinygemm's convention). Scales and zeros are rounded to bf16 (all the CPU
 kernels take) before q is computed, so |w - dequantized w| <= s / 2 holds as run. The output layer is int8 in both
-modes; embeddings and norms stay in full precision. File, kernels and layer choices: docs/quantization.md.
+modes; embeddings and norms stay in full precision. int8-a8 / int4-a8 store the same integers and quantize each
+linear's input to 8 bits per block of 32 as it runs, multiplying in integers (kernels_a8.cpp). File, kernels and
+layer choices: docs/quantization.md.
 """
 import argparse
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch import Tensor
+from errors import UserError, interruptible_imports, load_weights, read_checkpoint, run_cli, write_atomically
 
-from errors import UserError, load_weights, read_checkpoint, run_cli, write_atomically
-from model import ModelArgs, Transformer
+interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+import kernels  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 
 GROUPSIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
+MODES = ("int8", "int4", "int8-a8", "int4-a8")
+A8_STEP = 64  # the a8 kernels' step over a row's inputs: their weight rows are padded to a multiple of it
 MIN_SCALE = 1e-6  # an all-equal row or group would otherwise get scale 0
 
 
@@ -131,13 +138,81 @@ class Int4Linear(nn.Module):
         self.in_features = part
 
 
+# ----------------------------------------------------------------------------- 8-bit activations
+
+def padded_inputs(in_features: int) -> int:
+    return -(-in_features // A8_STEP) * A8_STEP
+
+
+def refuse_export():
+    """A stored AOTInductor graph calls these operators through its proxy executor, whose table (the package's
+    wrapper .json) decode.StoredForward does not keep beside the .so: refused, so that it compiles in-process."""
+    if torch.compiler.is_exporting():
+        raise RuntimeError("stored graphs cannot call the a8 kernels (their proxy-executor table is not stored)")
+
+
+class Int8A8Linear(Int8Linear):
+    """int8-a8: Int8Linear's weights times the input quantized to 8 bits per block of 32 inputs (d = max|x| / 127),
+    multiplied in integers: y = s * sum_b d_b * (q_w . q_x)_b. Off the CPU, or where kernels_a8.cpp cannot be built,
+    the weight-only int8 path."""
+    packed_for_cpu = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed_for_cpu:
+            refuse_export()
+            y = torch.ops.fastgen.a8_int8_linear(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight,
+                                                 self.scales)
+            return y.view(*x.shape[:-1], -1).to(x.dtype)
+        return super().forward(x)
+
+    def pack_for_cpu(self):
+        """The kernel's layout: rows padded with zeros to a multiple of A8_STEP inputs, float32 scales."""
+        if not self.packed_for_cpu and self.weight.device.type == "cpu" and kernels.a8_kernels():
+            self.weight = F.pad(self.weight, (0, padded_inputs(self.in_features) - self.in_features)).contiguous()
+            self.scales = self.scales.float()
+            self.packed_for_cpu = True
+
+
+class Int4A8Linear(Int4Linear):
+    """int4-a8: Int4Linear's weights times the input quantized to 8 bits per block of 32 inputs, multiplied in
+    integers (llama.cpp's Q4_1 x Q8_1): with w = (u - 8) s + z and T_g = sum over g's blocks of d_b * sum(q_x),
+    y = sum_g s_g * sum_b d_b (u . q_x)_b + sum_g (z_g - 8 s_g) T_g. Off the CPU, or where kernels_a8.cpp cannot be
+    built, the weight-only int4 path."""
+    a8 = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.a8:
+            refuse_export()
+            y = torch.ops.fastgen.a8_int4_linear(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight,
+                                                 self.scales_and_zeros, self.groupsize)
+            return y.view(*x.shape[:-1], -1).to(x.dtype)
+        return super().forward(x)
+
+    def pack_for_cpu(self):
+        """The kernel's layout: each row padded with zeros to a multiple of A8_STEP inputs, then in steps of 128
+        inputs (and a last one of 64), byte i of a step holding its input i in the low 4 bits and input step / 2 + i
+        in the high 4 bits, so that one shift unpacks whole vectors; scales and zeros [N, 2, K/G], each row's own
+        contiguous."""
+        if self.packed_for_cpu or self.weight.device.type != "cpu" or not kernels.a8_kernels():
+            return super().pack_for_cpu()
+        u = F.pad(unpack_int4(self.weight), (0, padded_inputs(self.in_features) - self.in_features))
+        steps = [u[:, i:i + 128] for i in range(0, u.shape[1], 128)]  # the last one may hold 64 inputs
+        self.weight = torch.cat([step[:, :step.shape[1] // 2] | (step[:, step.shape[1] // 2:] << 4) for step in steps],
+                                dim=1).contiguous()
+        self.scales_and_zeros = self.scales_and_zeros.permute(1, 2, 0).contiguous()  # [K/G, N, 2] -> [N, 2, K/G]
+        self.packed_for_cpu = self.a8 = True
+
+
 # ----------------------------------------------------------------------------- schemes
 
 def quantized_layers(model: Transformer, scheme: dict):
     """(name, nn.Linear, quantized module class and arguments) for every linear the scheme quantizes."""
     mode = scheme.get("mode")
-    if mode not in ("int8", "int4"):
-        raise UserError(f"unknown quantization mode {mode!r}: quantize.py writes int8 or int4")
+    if mode not in MODES:
+        raise UserError(f"unknown quantization mode {mode!r}: quantize.py writes {', '.join(MODES)}")
+    a8 = mode.endswith("-a8")
+    int8, int4 = (Int8A8Linear, Int4A8Linear) if a8 else (Int8Linear, Int4Linear)
+    mode = mode.removesuffix("-a8")
     groupsize = scheme.get("groupsize")
     if mode == "int4" and groupsize not in GROUPSIZES:
         raise UserError(f"int4 group size {groupsize!r} is not supported: use one of {', '.join(map(str, GROUPSIZES))}")
@@ -151,9 +226,9 @@ def quantized_layers(model: Transformer, scheme: dict):
             raise UserError(f"--groupsize {groupsize} does not divide the layer input size {bad[0]}: {fix}")
     for name, linear in layers:
         if mode == "int4" and name != "output":
-            yield name, linear, Int4Linear, (linear.in_features, linear.out_features, groupsize)
+            yield name, linear, int4, (linear.in_features, linear.out_features, groupsize)
         else:
-            yield name, linear, Int8Linear, (linear.in_features, linear.out_features)
+            yield name, linear, int8, (linear.in_features, linear.out_features)
 
 
 def apply_quantization_scheme(model: Transformer, scheme: dict):
@@ -167,9 +242,9 @@ def apply_quantization_scheme(model: Transformer, scheme: dict):
 
 
 def pack_for_device(model: nn.Module):
-    """After loading (and sharding): int4 weights on the CPU go into the CPU kernel's layout."""
+    """After loading (and sharding): int4 and a8 weights on the CPU go into their CPU kernel's layout."""
     for module in model.modules():
-        if isinstance(module, Int4Linear):
+        if isinstance(module, (Int4Linear, Int8A8Linear)):
             module.pack_for_cpu()
 
 
@@ -183,7 +258,7 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
         if key not in state_dict and name == "output" and args.tie_word_embeddings:
             key = "tok_embeddings.weight"  # tied: the output gets its own quantized copy
         weight = state_dict[key]
-        if cls is Int8Linear:
+        if issubclass(cls, Int8Linear):
             out[f"{name}.weight"], scales = quantize_int8(weight)
             out[f"{name}.scales"] = scales
         else:
@@ -212,7 +287,7 @@ def check_state_dict(state_dict: dict, args: ModelArgs, path: Path):
 
 
 def output_path(checkpoint_path: Path, scheme: dict) -> Path:
-    suffix = "int8" if scheme["mode"] == "int8" else f"int4.g{scheme['groupsize']}"
+    suffix = scheme["mode"] if scheme["mode"].startswith("int8") else f"{scheme['mode']}.g{scheme['groupsize']}"
     return checkpoint_path.with_name(f"{checkpoint_path.stem}_{suffix}.pth")
 
 
@@ -221,9 +296,10 @@ def quantize_checkpoint(checkpoint_path: Path, mode: str, groupsize=None) -> Pat
     path = Path(checkpoint_path)
     if not path.is_file():
         raise UserError(f"checkpoint not found: {path} (pass the full-precision model.pth)")
-    if mode == "int8" and groupsize is not None:
-        raise UserError("--groupsize is for --mode int4 (int8 has one scale per output row): drop --groupsize")
-    scheme = {"mode": mode} if mode == "int8" else {"mode": mode, "groupsize": groupsize or 128}
+    if mode.startswith("int8") and groupsize is not None:
+        raise UserError(f"--groupsize is for --mode int4 or int4-a8 ({mode} has one scale per output row): drop "
+                        f"--groupsize")
+    scheme = {"mode": mode} if mode.startswith("int8") else {"mode": mode, "groupsize": groupsize or 128}
     args = ModelArgs.from_checkpoint_dir(path.parent)
     state_dict = read_checkpoint(path)
     if isinstance(state_dict.get("quantization"), dict):
@@ -243,9 +319,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Write an int8 or int4 weight-only quantized copy of a checkpoint")
     p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/tiny/target/model.pth"),
                    help="the full-precision model.pth (config.json beside it)")
-    p.add_argument("--mode", choices=["int8", "int4"], default="int8")
+    p.add_argument("--mode", choices=MODES, default="int8",
+                   help="-a8: the same weights, each layer's input quantized to 8 bits as it runs (faster on x86 "
+                        "CPUs; changes the outputs a little more)")
     p.add_argument("--groupsize", type=int, choices=GROUPSIZES, default=None,
-                   help="int4 only: inputs sharing one scale and zero (default 128; smaller is more accurate)")
+                   help="int4 modes only: inputs sharing one scale and zero (default 128; smaller is more accurate)")
     return p.parse_args(argv)
 
 

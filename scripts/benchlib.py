@@ -115,10 +115,10 @@ def time_interleaved(engine, speculators: dict, prompts: list, new_tokens: int, 
 
 def quantized_checkpoint(model_pth: Path, mode: str, groupsize: int = 32) -> Path:
     """quantize.py's file beside model_pth, written by the CLI exactly as a user does, if not there yet."""
-    name = "model_int8.pth" if mode == "int8" else f"model_int4.g{groupsize}.pth"
-    path = model_pth.with_name(name)
+    import quantize
+    path = quantize.output_path(model_pth, {"mode": mode, "groupsize": groupsize})
     if not path.is_file():
-        extra = ["--groupsize", str(groupsize)] if mode == "int4" else []
+        extra = ["--groupsize", str(groupsize)] if mode.startswith("int4") else []
         subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(model_pth),
                         "--mode", mode, *extra], check=True)
     return path

@@ -8,6 +8,10 @@ import torch
 
 from helpers import train_tokenizer, write_checkpoint
 
+# the a8 kernels (kernels.a8_kernels) are built once per source and torch version: into the user's own cache, not
+# once per test run
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                                  / "fastgen" / "ext"))
 # stored graphs are signed with a key in the user's cache directory: tests use their own (subprocesses inherit it)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fastgen-test-cache-")
 torch.set_num_threads(1)  # tiny models: threading only adds overhead (and contention on shared CI cores)

@@ -102,3 +102,184 @@ def test_onednn_is_faster_is_measured_once_per_shape():
     first = kernels.onednn_is_faster(96, 64)
     assert isinstance(first, bool) and kernels.onednn_is_faster(96, 64) is first
     assert kernels.onednn_is_faster.cache_info().hits == 1
+
+
+# ----------------------------------------------------------------------------- int8 / int4 times 8-bit activations
+
+def a8_isas():
+    """Every path of kernels_a8.cpp this CPU runs, the forced portable one included."""
+    if not kernels.a8_kernels():
+        pytest.skip("kernels_a8.cpp does not build here")
+    best = torch.ops.fastgen.a8_isa()
+    return ["portable", "avx2", "avx512_vnni"][:["portable", "avx2", "avx512_vnni"].index(best) + 1]
+
+
+@pytest.fixture(params=["portable", "avx2", "avx512_vnni"])
+def isa(request, monkeypatch):
+    if request.param not in a8_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    monkeypatch.setenv("FASTGEN_A8_ISA", request.param)
+    assert torch.ops.fastgen.a8_isa() == request.param
+    return request.param
+
+
+def quantize_activations(x):
+    """[M, K] float32 -> (q [M, K] float64 integers, d [M, K / 32 rounded up] float32): the documented rule,
+    d = max|x| / 127 per block of 32 inputs, q = round-half-even(x / d), in float32 as the kernels compute it."""
+    M, K = x.shape
+    blocks = torch.nn.functional.pad(x, (0, -K % 32)).view(M, -1, 32)
+    d = blocks.abs().amax(-1) / 127
+    q = torch.where(d[..., None] == 0, 0.0, torch.round(blocks / d[..., None]))
+    return q.view(M, -1)[:, :K].double(), d
+
+
+def activations(M, K, seed=0):
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-2, 1, K)
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    x[-1, 3] = 300.0  # an outlier: its block's other inputs lose precision, the other blocks do not
+    return x
+
+
+def a8_linear(mode, N, K, groupsize=32, seed=1):
+    """A packed Int8A8Linear / Int4A8Linear of random weights, and its float64 weights from the same integers."""
+    import quantize
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-2, 0, N)[:, None]
+    if mode == "int8":
+        module = quantize.Int8A8Linear(K, N)
+        module.weight, module.scales = quantize.quantize_int8(w)
+        reference = quantize.dequantize_int8(module.weight, module.scales, torch.float64)
+    else:
+        module = quantize.Int4A8Linear(K, N, groupsize)
+        module.weight, module.scales_and_zeros = quantize.quantize_int4(w, groupsize)
+        reference = quantize.dequantize_int4(module.weight, module.scales_and_zeros, groupsize, torch.float64)
+    module.pack_for_cpu()
+    assert module.packed_for_cpu
+    return module, reference
+
+
+def assert_equals_reference(y, x, reference):
+    """y = (q_x * d) @ W^T in float64 from the same integers, up to float32 rounding of the sums (a relative 1e-5 of
+    the sum of the products' magnitudes; the integer dot products themselves are exact)."""
+    q, d = quantize_activations(x)
+    dequantized = q * d.double().repeat_interleave(32, dim=1)[:, :x.shape[1]]
+    want = dequantized @ reference.t()
+    bound = dequantized.abs() @ (reference.abs() + reference.abs().amax(1, keepdim=True)).t()
+    error = (y.double() - want).abs()
+    assert (error <= 1e-5 * bound + 1e-30).all(), (error / bound).max().item()
+
+
+def test_a8_activations_are_quantized_by_the_documented_rule():
+    if not kernels.a8_kernels():
+        pytest.skip("kernels_a8.cpp does not build here")
+    for K in (33, 64, 100, 576):
+        x = activations(3, K)
+        q, d = torch.ops.fastgen.a8_quantize(x, -(-K // 64) * 64)
+        want_q, want_d = quantize_activations(x)
+        assert torch.equal(q[:, :K].double(), want_q) and not q[:, K:].any()
+        assert torch.equal(d[:, :want_d.shape[1]], want_d) and int(q.abs().max()) == 127
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 37, 576), (1, 5, 100), (6, 64, 1536), (9, 3, 33)])
+def test_a8_int8_equals_float64_reference(isa, M, N, K):
+    module, reference = a8_linear("int8", N, K)
+    x = activations(M, K)
+    y = module(x)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert_equals_reference(y, x, reference)
+
+
+@pytest.mark.parametrize("groupsize, K", [(32, 96), (32, 576), (64, 576), (128, 512), (256, 768)])
+@pytest.mark.parametrize("M", [1, 6])
+def test_a8_int4_equals_float64_reference(isa, groupsize, K, M):
+    module, reference = a8_linear("int4", 21, K, groupsize)
+    x = activations(M, K)
+    assert_equals_reference(module(x), x, reference)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a8_rows_do_not_depend_on_the_rows_beside_them(isa, mode):
+    """A token scores the same in a one-token decode, a batch or a verification: row by row = all rows at once,
+    bit for bit (the kernels take activation rows four at a time)."""
+    module, _ = a8_linear(mode, 19, 192)
+    x = activations(11, 192).view(1, 11, 192)
+    y = module(x)
+    assert y.shape == (1, 11, 19)
+    assert torch.equal(torch.cat([module(x[:, i:i + 1]) for i in range(11)], dim=1), y)
+    assert module(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a8_non_finite_inputs_stay_visible(isa, mode):
+    """A NaN or infinite input makes its own row's outputs NaN (generation checks its logits), not finite noise."""
+    module, _ = a8_linear(mode, 8, 128)
+    x = activations(3, 128)
+    x[0, 70], x[2, 5] = float("nan"), float("inf")
+    y = module(x)
+    assert y[0].isnan().all() and y[2].isnan().all() and y[1].isfinite().all()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a8_threads_share_rows_not_sums(mode):
+    """Products over 64 KiB of weights run on every thread, each taking whole rows: the same bits as one thread."""
+    a8_isas()
+    module, _ = a8_linear(mode, 1030, 256)
+    x = activations(3, 256)
+    one = module(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(module(x), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a8_compiled_equals_eager():
+    """torch.compile(fullgraph) traces the operators through their fake implementations and calls the same kernels:
+    the same bits as eager."""
+    a8_isas()
+    int8, _ = a8_linear("int8", 64, 96)
+    int4, _ = a8_linear("int4", 40, 64, groupsize=32)
+    layers = torch.nn.Sequential(int8, torch.nn.SiLU(), int4)
+    x = activations(5, 96).view(1, 5, 96)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(layers, fullgraph=True)(x), layers(x))
+
+
+def test_a8_layers_refuse_export():
+    """Stored AOTInductor graphs cannot call the operators yet (docs/quantization.md): export is refused, so that
+    decode.StoredForward compiles such a model in-process (one line) rather than storing a graph that fails to run."""
+    a8_isas()
+    module, _ = a8_linear("int4", 32, 64)
+    with pytest.raises(RuntimeError, match="stored graphs cannot call the a8 kernels"):
+        torch.export.export(module, (torch.randn(2, 64),), strict=False)
+
+
+def test_without_a_compiler_one_line_and_the_weight_only_kernels(monkeypatch, capsys):
+    import quantize
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'fastgen_a8': c++: command not found\nmore")
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    assert kernels.a8_kernels.__wrapped__() is False
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot build kernels_a8.cpp" in err and "c++: command not found" in err
+    monkeypatch.setattr(kernels, "a8_kernels", lambda: False)
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    plain, a8 = quantize.Int4Linear(64, 32, 32), quantize.Int4A8Linear(64, 32, 32)
+    for module in (plain, a8):
+        module.weight, module.scales_and_zeros = quantize.quantize_int4(w, 32)
+        module.pack_for_cpu()
+    x = torch.randn(2, 64)
+    assert not a8.a8 and torch.equal(a8(x), plain(x))
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 37, 576), (6, 5, 100)])
+def test_int8_weights_times_float32_activations(isa, M, N, K):
+    """fastgen::int8_linear (measured by scripts/bench_a8.py, not used by a scheme yet): x @ (q * s)^T in float32."""
+    module, reference = a8_linear("int8", N, K)
+    x = activations(M, K)
+    y = torch.ops.fastgen.int8_linear(x, module.weight, module.scales)
+    want = x.double() @ reference.t()
+    assert ((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ reference.abs().t())).all()

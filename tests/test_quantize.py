@@ -256,6 +256,35 @@ def test_compiled_quantized_equals_eager(mode, groupsize, target):
     assert compiled["samples"][0]["tokens"] == eager["samples"][0]["tokens"]
 
 
+@pytest.mark.parametrize("mode, groupsize", [("int8-a8", None), ("int4-a8", 32)])
+def test_a8_schemes_load_generate_and_compile(mode, groupsize, target, tmp_path):
+    """The a8 schemes: recorded in the file, loaded into the integer kernels' layout, logits near fp32, greedy
+    tokens equal full forwards without the cache (each row's result independent of the rows beside it), compiled
+    regions and whole graphs generate the eager tokens, and as a draft they leave the target's tokens exact."""
+    import kernels
+    path = quantized_file(target, mode, groupsize)
+    assert path.name == ("model_int8-a8.pth" if mode == "int8-a8" else "model_int4-a8.g32.pth")
+    assert torch.load(path, weights_only=True)["quantization"] == {"mode": mode, **({"groupsize": 32} if groupsize
+                                                                                   else {})}
+    model = generation.load_model(path)
+    w1, output = model.layers[0].feed_forward.w1, model.output
+    assert type(w1) is (quantize.Int8A8Linear if mode == "int8-a8" else quantize.Int4A8Linear)
+    assert type(output) is quantize.Int8A8Linear  # the output layer is int8 in both modes
+    assert w1.packed_for_cpu == output.packed_for_cpu == kernels.a8_kernels()
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    want, got = logits(generation.load_model(target), x), logits(model, x)
+    assert ((got - want).norm() / want.norm()).item() < (0.03 if mode == "int8-a8" else 0.07)
+    eager = run(path, "--stats_json", tmp_path / "stats.json", n=12)
+    assert json.loads((tmp_path / "stats.json").read_text())["quantization"] == mode
+    assert eager["samples"][0]["tokens"] == greedy_without_cache(model, eager["prompt_tokens"], 12)
+    for compile_mode in ("regional", "whole"):
+        assert run(path, "--compile", compile_mode, n=12)["samples"][0]["tokens"] == eager["samples"][0]["tokens"]
+    # as the draft of its own full-precision model: the target's greedy tokens exactly
+    speculative = run(target, "--speculate_k", 3, "--draft_checkpoint_path", path, n=12)
+    assert speculative["speculative"] == "draft"
+    assert speculative["samples"][0]["tokens"] == run(target, n=12)["samples"][0]["tokens"]
+
+
 def test_greedy_speculative_with_int8_draft_or_target_equals_plain_greedy(pair):
     target, draft = pair / "target" / "model.pth", pair / "draft" / "model.pth"
     target_int8, draft_int8 = quantized_file(target, "int8"), quantized_file(draft, "int8")
