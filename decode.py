@@ -164,10 +164,14 @@ class Engine:
     decode_one_token: callable = decode_one_token
     forward: callable = None  # multi-token scoring with an explicit mask (speculative verification)
     options: dict = None  # torch.compile's keyword arguments of this engine's whole graphs
+    features: tuple = ()  # blocks whose inputs forward_features returns beside the logits (a draft head's features)
+    forward_features: callable = None  # forward() that also returns those features (Transformer.forward_features)
 
     def __post_init__(self):
         if self.forward is None:
             self.forward = self.model
+        if self.forward_features is None and self.features:
+            self.forward_features = functools.partial(self.model.forward_features, layers=self.features)
 
     def compile(self, fn):
         """fn(model, ...) as one static-shape graph compiled like this engine's own, the model bound first; eager for
@@ -218,7 +222,8 @@ def configure_compiler(device: str):
     inductor_config.max_autotune_report_choices_stats = False
 
 
-def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_prefill: bool = False) -> Engine:
+def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_prefill: bool = False,
+                   features: tuple = ()) -> Engine:
     """The engine for `model` in compile `mode`.
     stored (`auto`, `autotune`): one AOTInductor graph of the whole model per batch and cache size, dynamic in the
     tokens per call, so decode, verification and prefill share it; built once, stored beside the checkpoint
@@ -227,22 +232,30 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     models of its shape.
     whole: torch.compile in this process: the one-token decode (static shape [B, 1]), the verification forward (one
     static shape per tree size) and, with compile_prefill, the prefill (dynamic in the prompt length); weights frozen
-    in on CPU, CUDA graphs on GPU. docs/compilation.md explains the choice."""
+    in on CPU, CUDA graphs on GPU. docs/compilation.md explains the choice.
+    features: the blocks whose inputs a draft head reads; forward_features returns them with the logits (stored: the
+    one graph returns both, so plain decoding and verification still share it)."""
     mode = resolve_mode(mode, device, getattr(model, "checkpoint_path", None) is not None)
     if not mode.startswith("stored"):  # eager products and regions run on the model's weights as they are
         use_fast_weight_layout(model)
+    features = tuple(features)
     if mode == "none":
-        return Engine(model)
+        return Engine(model, features=features)
     configure_compiler(device)
     if mode.startswith("stored"):
-        stored = StoredForward(model, device, mode)
+        stored = StoredForward(model, device, mode, features)
+        forward = (lambda *args, **kwargs: stored(*args, **kwargs)[0]) if features else stored
         model.round_cache_length = True  # a few cache lengths, so a few graphs, whatever each prompt's length
-        return Engine(model, mode, prefill=dropping_model(prefill, stored),
-                      decode_one_token=dropping_model(decode_one_token, stored), forward=stored)
+        return Engine(model, mode, prefill=dropping_model(prefill, forward),
+                      decode_one_token=dropping_model(decode_one_token, forward), forward=forward, features=features,
+                      forward_features=stored if features else None)
     if mode == "regional":
-        return compile_regions(model, compile_prefill)
+        return compile_regions(model, compile_prefill, features)
     options = graph_options(model, device, mode)
-    engine = Engine(model, mode, options=options)
+    engine = Engine(model, mode, options=options, features=features)
+    if features:  # verification at one width, prefill at many: automatic dynamic shapes
+        engine.forward_features = torch.compile(functools.partial(model.forward_features, layers=features),
+                                                fullgraph=True, **options)
     engine.decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     engine.forward = torch.compile(model, fullgraph=True, dynamic=False, **options)
     if compile_prefill:
@@ -256,13 +269,16 @@ def dropping_model(fn, forward):
 
 
 class ExportedForward(torch.nn.Module):
-    """The signature a stored graph is exported with: every argument explicit, so one graph serves every caller."""
+    """The signature a stored graph is exported with: every argument explicit, so one graph serves every caller;
+    with `features`, the logits and those blocks' inputs (Transformer.forward_features)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, features: tuple = ()):
         super().__init__()
-        self.model = model
+        self.model, self.features = model, features
 
     def forward(self, idx, input_pos, slots, mask):
+        if self.features:
+            return self.model.forward_features(idx, input_pos, slots, mask, self.features)
         return self.model(idx, input_pos, slots, mask)
 
 
@@ -277,8 +293,8 @@ class StoredForward:
     one cache. Graphs are keyed and signed (artifacts.py): a stale or foreign one is refused with one line and
     rebuilt. Where a graph cannot be exported, that shape is compiled in this process instead (one line says so)."""
 
-    def __init__(self, model: Transformer, device: str, mode: str):
-        self.model, self.device, self.mode = model, device, mode
+    def __init__(self, model: Transformer, device: str, mode: str, features: tuple = ()):
+        self.model, self.device, self.mode, self.features = model, device, mode, tuple(features)
         self.options = stored_options(model, mode)
         self.graphs = {}  # (batch, cache batch, cache length) -> [run(*args), bind(cache tensors) or None, bound cache]
 
@@ -308,7 +324,8 @@ class StoredForward:
         return {"weights": artifacts.file_identity(model.checkpoint_path), "config": dataclasses.asdict(model.args),
                 "scheme": model.quantization, "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
                 "cache": [batch, cache_batch, length, str(model.layers[0].attention.kv_cache.k_cache.dtype)],
-                "device": self.device, "mode": self.mode, "options": self.options, "machine": artifacts.machine(),
+                "device": self.device, "mode": self.mode, "options": self.options, "features": list(self.features),
+                "machine": artifacts.machine(),
                 "sources": artifacts.sources_digest(TRACED_MODULES)}
 
     def load(self, batch: int, cache_batch: int, length: int):
@@ -319,7 +336,8 @@ class StoredForward:
         fields = self.key_fields(batch, cache_batch, length)
         key = artifacts.key_of(fields)
         directory = artifacts.directory_for(path)
-        name = f"{Path(path).stem}-b{batch}of{cache_batch}-s{length}-{self.mode}-{key[:16]}"
+        features = "-f" + ".".join(map(str, self.features)) if self.features else ""
+        name = f"{Path(path).stem}-b{batch}of{cache_batch}-s{length}{features}-{self.mode}-{key[:16]}"
         library, refused = artifacts.find(directory, name, key)
         if refused:
             print(f"refusing the stored graph {directory / name}.so: {refused}; building it again", file=sys.stderr)
@@ -342,7 +360,8 @@ class StoredForward:
             first = (str(e).strip().splitlines() or [""])[0][:200]
             print(f"cannot store {what} ({type(e).__name__}: {first}); compiling it in this process instead",
                   file=sys.stderr)
-            return torch.compile(model, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole")), None
+            fn = functools.partial(model.forward_features, layers=self.features) if self.features else model
+            return torch.compile(fn, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole")), None
 
     def open(self, library: Path):
         """Load a stored graph (its frozen weights inside it): run(*args) and bind(cache tensors).
@@ -352,6 +371,8 @@ class StoredForward:
 
         def bind(buffers: dict):  # use_inactive=False, check_full_update=False, user_managed=True: no copies
             runner.update_constant_buffer({internal[f"model.{n}"]: t for n, t in buffers.items()}, False, False, True)
+        if self.features:
+            return (lambda *args: tuple(runner.run(list(args)))), bind
         return (lambda *args: runner.run(list(args))[0]), bind
 
     def example(self, batch: int, length: int):
@@ -364,7 +385,7 @@ class StoredForward:
         """Export the model for these shapes, compile it with AOTInductor, keep its one shared library at tmp."""
         tokens = torch.export.Dim("tokens", min=1, max=length)
         with torch.no_grad():
-            program = torch.export.export(ExportedForward(self.model), example, strict=False,
+            program = torch.export.export(ExportedForward(self.model, self.features), example, strict=False,
                                           dynamic_shapes=({1: tokens}, {1: tokens}, {1: tokens}, {2: tokens}))
             package = Path(f"{tmp}.pt2")  # the packager wants its suffix
             try:
@@ -400,7 +421,7 @@ def with_progress(what: str, estimate, build):
         print(f"  compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
-def compile_regions(model: Transformer, compile_prefill: bool) -> Engine:
+def compile_regions(model: Transformer, compile_prefill: bool, features: tuple = ()) -> Engine:
     """compile_engine(mode="regional"): one compiled block shared by all layers, a compiled sampling head."""
     block, head = compiled_region(run_block, False), compiled_region(sample_last, False)
 
@@ -408,7 +429,8 @@ def compile_regions(model: Transformer, compile_prefill: bool) -> Engine:
         return head(model, model.hidden_states(x, input_pos, block=block), sampling)
 
     engine = Engine(model, "regional", decode_one_token=unfrozen(decode_step),
-                    forward=unfrozen(functools.partial(model, block=block)))
+                    forward=unfrozen(functools.partial(model, block=block)), features=features,
+                    forward_features=unfrozen(functools.partial(model.forward_features, layers=features, block=block)))
     if compile_prefill:
         engine.prefill = unfrozen(functools.partial(prefill, block=compiled_region(run_block, True)))
     return engine

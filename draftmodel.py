@@ -235,6 +235,7 @@ class ModelDrafter:
     """A draft model grows an EAGLE-2-style dynamic tree, one depth per forward: the `width` best newest nodes get
     `width` children each (greedy: the most probable; sampled: drawn without replacement from the warped q), and
     the tree_nodes best by acceptance-table score are kept. Width 1 is the classic chain."""
+    features = ()  # reads no target features
 
     def __init__(self, engine: Engine, depth: int, tree_nodes: int, auto_depth: bool = False, ngram: int = 0):
         self.engine, self.draft_model = engine, engine.model
@@ -258,7 +259,7 @@ class ModelDrafter:
         """For the stats: a chain ("draft") or a token tree."""
         return "draft" if self.width == 1 else "tree"
 
-    def start(self, prompts: list, max_seq_length: int) -> int:
+    def start(self, prompts: list, max_seq_length: int, features=None) -> int:
         device = self.draft_model.tok_embeddings.weight.device
         self.draft_model.setup_caches(len(prompts), max_seq_length)
         T = max(len(p) for p in prompts)
@@ -274,7 +275,8 @@ class ModelDrafter:
             for out in outs:
                 self.lookup.finish(out)
 
-    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling):
+    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling, nodes=None):
+        """(nodes: its tree size is fixed by its compiled graphs: tree_nodes, whatever is asked.)"""
         device = self.device
         batch, forwards = len(roots), 0
         # accepted tokens the draft never read (all but the last) go into the cache first; shorter rows rewrite
@@ -459,11 +461,14 @@ class ModelDrafter:
         keep = sorted(drafted, key=lambda i: (-scores[i], tree.depths[i], i))[: self.tree_nodes]
         return tree.subtree(sorted(keep, key=lambda i: (tree.depths[i], i)))
 
-    def accepted(self, paths: list, trees: list, pos: list):
+    def accepted(self, paths: list, trees: list, pos: list, features=None):
         """Compact the draft's cache like the target's; accepted nodes it never read are fed next step."""
         rows, src, dst = [], [], []
         for b, (path, tree) in enumerate(zip(paths, trees)):
             if path is None:  # a finished row: nothing moves
+                continue
+            if tree.draft_slots[0] is None:  # a plain step (speculate.AutoChoice): the draft never read its root
+                self.pending[b] = self.pending[b] + [tree.tokens[0]]
                 continue
             if self.width > 1:
                 self.table.observe(tree, path)

@@ -4,25 +4,15 @@
     python generate.py ... --draft_checkpoint_path checkpoints/tiny/draft/model.pth --speculate_k 5
 """
 import argparse
-import os
-import signal
 import sys
 from pathlib import Path
 
+from errors import UserError, flag_names, interruptible_imports, run_cli
 
-def interrupted_while_starting(*_):
-    """Ctrl-C before run_cli handles it (importing torch takes seconds): its one line, not a traceback."""
-    print("error: interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, interrupted_while_starting)
-
-import torch  # noqa: E402 (after the handler above)
+interruptible_imports(__name__)
+import torch  # noqa: E402 (Ctrl-C while it loads: one line)
 
 from decode import COMPILE_MODES, PRECISIONS  # noqa: E402
-from errors import UserError, flag_names, run_cli  # noqa: E402
 from generation import Settings, Speculation, run  # noqa: E402
 
 DEFAULTS = Settings()
@@ -47,9 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=DEFAULTS.seed)
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULTS.checkpoint_path)
     p.add_argument("--draft_checkpoint_path", type=Path, default=None)
+    p.add_argument("--draft_head", type=Path, default=None, metavar="DIR",
+                   help="draft with a head trained from the target (scripts/train_draft_head.py) or an EAGLE-3 head")
     p.add_argument("--speculate_k", default="5", help="draft depth K (>= 1), or 'auto' for an adaptive depth")
-    p.add_argument("--tree_nodes", type=int, default=None,
-                   help="draft tokens verified per target forward; equal to speculate_k means a chain")
+    p.add_argument("--tree_nodes", default=None,
+                   help="draft tokens verified per target forward (equal to speculate_k: a chain), or 'auto' to size "
+                        "each step's tree (a draft head or n-gram drafts)")
     p.add_argument("--draft_ngram", type=int, default=0, metavar="N",
                    help="draft from an N-gram trie of the prompt and output (e.g. 3): alone, or with a draft model "
                         "and --tree_nodes, merged into the draft's tree")
@@ -94,14 +87,20 @@ def settings_from(args: argparse.Namespace) -> Settings:
             depth = int(depth)
         except ValueError:
             raise UserError(f"--speculate_k must be an integer >= 1 or 'auto', got {depth!r}") from None
+    nodes = args.tree_nodes
+    if nodes is not None and nodes != "auto":
+        try:
+            nodes = int(nodes)
+        except ValueError:
+            raise UserError(f"--tree_nodes must be an integer or 'auto', got {nodes!r}") from None
     prompt, prompts_file = args.prompt if args.prompt is not None else DEFAULTS.prompt, None
     if prompt.startswith("@"):
         prompts_file, prompt = Path(prompt[1:]), DEFAULTS.prompt
     return Settings(args.checkpoint_path, args.draft_checkpoint_path, prompt, args.chat, args.num_samples,
                     args.max_new_tokens, args.batch_size, prompts_file, args.temperature, args.top_k,
-                    args.top_p, args.seed, Speculation(depth, args.tree_nodes, args.draft_ngram), args.compile,
+                    args.top_p, args.seed, Speculation(depth, nodes, args.draft_ngram), args.compile,
                     args.compile_prefill, args.device, args.precision, args.profile, args.stats_json,
-                    stop_at_eos=not args.ignore_eos)
+                    stop_at_eos=not args.ignore_eos, draft_head=args.draft_head)
 
 
 # the settings' names as the flags that set them, for error messages
@@ -165,8 +164,6 @@ def finish(error, status: int):
 
 
 def cli(argv=None) -> int:
-    if signal.getsignal(signal.SIGINT) is interrupted_while_starting:  # from here on Ctrl-C is run_cli's to handle
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     return run_cli(lambda: main(argv), explain=lost_peer, finish=finish)
 
 

@@ -23,11 +23,11 @@ from typing import Optional, Union
 import torch
 
 from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, configure_compiler, \
-    decode_n_tokens, sdpa_context
+    decode_n_tokens, sample, sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
 from model import ModelArgs, Transformer
-from speculate import MAX_TREE_NODES, NgramDrafter, Speculator, combine_stats, format_stats, non_finite_logits, \
+from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, auto_arms, Speculator, combine_stats, format_stats, non_finite_logits, \
     same_vocabulary
 from tokenizer import get_tokenizer
 
@@ -84,13 +84,20 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
 
 # ----------------------------------------------------------------------------- memory, checked before allocating
 
-def available_memory(device) -> Optional[int]:
+def available_memory(device, cgroup_root="/sys/fs/cgroup") -> Optional[int]:
     """Bytes that new tensors on `device` can take: free GPU memory plus what torch's allocator holds unused on
-    CUDA; MemAvailable (psutil, else /proc/meminfo) on the CPU; None where unknown (nothing is refused then)."""
+    CUDA; on the CPU the smaller of MemAvailable (psutil, else /proc/meminfo) and what the process's memory cgroup
+    leaves (a container's limit: the kernel kills the process there, whatever the host has free); None where
+    unknown (nothing is refused then)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
             torch.cuda.memory_allocated(device)
+    known = [n for n in (host_available_memory(), cgroup_available_memory(Path(cgroup_root))) if n is not None]
+    return min(known, default=None)
+
+
+def host_available_memory() -> Optional[int]:
     try:
         import psutil
         return psutil.virtual_memory().available
@@ -101,6 +108,47 @@ def available_memory(device) -> Optional[int]:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def cgroup_available_memory(root: Path, self_cgroup: Path = Path("/proc/self/cgroup")) -> Optional[int]:
+    """Limit minus usage of the memory cgroup this process is in and of each cgroup above it (the tightest wins),
+    cgroup v2 (ROOT/PATH/memory.max, memory.current) or v1 (ROOT/memory/PATH/memory.limit_in_bytes,
+    memory.usage_in_bytes), PATH read from /proc/self/cgroup; file cache counts as free, as MemAvailable counts it
+    (the kernel reclaims it before it kills). None where no limit is set or none can be read."""
+    hierarchies = {"": (root, "memory.max", "memory.current"),
+                   "memory": (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")}
+    paths = dict.fromkeys(hierarchies, "")  # inside a container's own cgroup namespace: its root
+    try:  # "0::/user.slice/..." (v2), "4:memory:/docker/..." (v1)
+        for line in self_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            name = "" if not controllers else "memory" if "memory" in controllers.split(",") else None
+            if name is not None:
+                paths[name] = path.strip().lstrip("/")
+    except (OSError, ValueError):
+        pass
+    free = []
+    for name, (base, limit_name, usage_name) in hierarchies.items():
+        level = base / paths[name]
+        while True:
+            try:
+                limit, usage = (level / limit_name).read_text().strip(), int((level / usage_name).read_text())
+                if limit.isdigit() and int(limit) < 1 << 60:  # v2 writes "max", v1 a huge number, when unlimited
+                    free.append(max(int(limit) - usage + file_cache(level / "memory.stat"), 0))
+            except (OSError, ValueError):
+                pass
+            if level == base or base not in level.parents:
+                break
+            level = level.parent
+    return min(free, default=None)
+
+
+def file_cache(stat: Path) -> int:
+    """Bytes of file cache in a cgroup's memory.stat (v1's hierarchical total_ fields where present)."""
+    try:
+        fields = dict(line.split(maxsplit=1) for line in stat.read_text().splitlines() if " " in line)
+        return sum(int(fields.get(f"total_{name}", fields.get(name, 0))) for name in ("active_file", "inactive_file"))
+    except (OSError, ValueError):
+        return 0
 
 
 def check_memory(needed: int, device, what: str, fix: str):
@@ -179,11 +227,12 @@ def no_weight_init():
 
 @dataclass
 class Speculation:
-    """How to speculate: draft depth (`speculate_k`, an int >= 1, or "auto": an adaptive chain up to 8 that falls
-    back to plain decoding where that is faster), tokens verified per step (`tree_nodes`; None: a chain), and an
-    n-gram lookup (`draft_ngram`: n, 0 for none). Checked once, in check()."""
+    """How to speculate: draft depth (`speculate_k`, an int >= 1, or "auto": up to 8), tokens verified per step
+    (`tree_nodes`: an int, None for a chain, or "auto": chains and trees of 2, 4 and 8 times the depth, up to
+    MAX_AUTO_NODES), and an n-gram lookup (`draft_ngram`: n, 0 for none). With an "auto", each step runs the depth and
+    size, or the plain step, with the most expected tokens per second (speculate.AutoChoice). Checked in check()."""
     speculate_k: Union[int, str] = 5
-    tree_nodes: Optional[int] = None
+    tree_nodes: Union[int, str, None] = None
     draft_ngram: int = 0
 
     @property
@@ -192,7 +241,19 @@ class Speculation:
 
     @property
     def nodes(self) -> int:
+        """The most nodes a step verifies."""
+        if self.tree_nodes == "auto":
+            return max(self.depth, min(8 * self.depth, MAX_AUTO_NODES))
         return self.tree_nodes if self.tree_nodes is not None else self.depth
+
+    @property
+    def auto(self) -> bool:
+        return "auto" in (self.speculate_k, self.tree_nodes)
+
+    def arms(self) -> list:
+        """The (depth, tree size) pairs `auto` chooses among."""
+        fixed = self.tree_nodes if isinstance(self.tree_nodes, int) else None
+        return auto_arms(self.depth, fixed, self.speculate_k == "auto", self.tree_nodes == "auto", self.nodes)
 
     def check(self, has_draft: bool, max_seq_length: int = None):
         """Settings that cannot work, refused before anything is loaded (and, given the model's context,
@@ -202,13 +263,14 @@ class Speculation:
             raise UserError(f"`speculate_k` must be an integer >= 1 or 'auto', got {self.speculate_k!r}")
         if not auto and self.speculate_k < 1:
             raise UserError(f"`speculate_k` must be >= 1 (the number of draft tokens per step), got {self.speculate_k}")
+        if self.tree_nodes not in (None, "auto") and (isinstance(self.tree_nodes, bool)
+                                                      or not isinstance(self.tree_nodes, int)):
+            raise UserError(f"`tree_nodes` must be an integer or 'auto', got {self.tree_nodes!r}")
         if not has_draft and not self.draft_ngram and self.tree_nodes is not None:
-            raise UserError("`tree_nodes` needs a draft: add `draft_checkpoint_path` or `draft_ngram` N")
+            raise UserError("`tree_nodes` needs a draft: add `draft_checkpoint_path`, `draft_head` or `draft_ngram` N")
         if self.nodes < self.depth:
             raise UserError(f"`tree_nodes` ({self.nodes}) must be >= `speculate_k` ({self.depth}): a tree holds at "
                             f"least one chain")
-        if auto and self.nodes != self.depth:
-            raise UserError("`speculate_k` auto adapts a chain: drop `tree_nodes`")
         if self.draft_ngram and self.draft_ngram < 2:
             raise UserError("`draft_ngram` N needs N >= 2 (N - 1 tokens of context find the continuation)")
         if self.draft_ngram > 16:
@@ -220,16 +282,26 @@ class Speculation:
                             f"lower it")
 
 
-def make_speculator(speculation: Speculation, draft: Optional[Engine], max_seq_length: int):
-    """The speculator for these settings with a draft of the target's tokenizer (or none), or None for plain
-    decoding."""
-    speculation.check(draft is not None, max_seq_length)
-    depth, nodes, auto = speculation.depth, speculation.nodes, speculation.speculate_k == "auto"
+def make_speculator(speculation: Speculation, draft: Optional[Engine], max_seq_length: int, head=None):
+    """The speculator for these settings with a draft of the target's tokenizer, a draft head (drafthead.DraftHead)
+    or neither, or None for plain decoding."""
+    speculation.check(draft is not None or head is not None, max_seq_length)
+    depth, nodes = speculation.depth, speculation.nodes
+    auto = AutoChoice(speculation.arms()) if speculation.auto else None
+    if head is not None:
+        from drafthead import HeadDrafter
+        if draft is not None or speculation.draft_ngram:
+            raise UserError("a draft head drafts on its own: drop `draft_checkpoint_path` and `draft_ngram`")
+        return Speculator(HeadDrafter(head, depth, nodes), auto)
+    if draft is not None and speculation.tree_nodes == "auto":
+        raise UserError("`tree_nodes` auto sizes the trees of a draft head or n-gram drafts: give a draft model a "
+                        "number of `tree_nodes`")
     if speculation.draft_ngram and draft is not None and nodes == depth:
         raise UserError("`draft_ngram` with a draft model merges lookups into the draft's tree: add `tree_nodes` N > "
                         "`speculate_k`")
     if draft is not None:
-        return Speculator(ModelDrafter(draft, depth, nodes, auto, speculation.draft_ngram), auto)
+        return Speculator(ModelDrafter(draft, depth, nodes, speculation.speculate_k == "auto",
+                                       speculation.draft_ngram), auto)
     if speculation.draft_ngram:
         return Speculator(NgramDrafter(speculation.draft_ngram, depth, nodes), auto)
     return None
@@ -273,11 +345,12 @@ class Generator:
     @classmethod
     def build(cls, checkpoint_path, device: str = "cpu", precision=torch.float32, draft_checkpoint_path=None,
               speculation: Speculation = None, compile: str = "none", compile_prefill: bool = False,
-              batch_size: int = 1, several_prompts: bool = False, shard=None) -> "Generator":
-        """Load the target (sharded by `shard` under tensor parallelism) and its draft (replicated: it is small),
-        pick the speculator (a draft of another tokenizer drafts through text), compile both in `compile` mode."""
+              batch_size: int = 1, several_prompts: bool = False, shard=None, draft_head=None) -> "Generator":
+        """Load the target (sharded by `shard` under tensor parallelism) and its draft (replicated: it is small) or
+        draft head, pick the speculator (a draft of another tokenizer drafts through text), compile both in `compile`
+        mode."""
         speculation = speculation or Speculation()
-        speculation.check(draft_checkpoint_path is not None)
+        speculation.check(draft_checkpoint_path is not None or draft_head is not None)
         if compile not in COMPILE_MODES:
             raise UserError(f"`compile` mode {compile!r} is not one of {', '.join(COMPILE_MODES)}")
         checkpoint_path = Path(checkpoint_path)
@@ -286,6 +359,16 @@ class Generator:
         if tokenizer.vocab_size > model.args.vocab_size:
             raise UserError(f"the tokenizer beside {checkpoint_path} has {tokenizer.vocab_size} tokens, more than the "
                             f"model's {model.args.vocab_size}: use the tokenizer the checkpoint came with")
+        if draft_head is not None:
+            if draft_checkpoint_path is not None:
+                raise UserError("give one drafter: `draft_head` or `draft_checkpoint_path`, not both")
+            if shard is not None:
+                raise UserError("a draft head does not run under tensor parallelism yet: drop `draft_head` or run one "
+                                "process")
+            from drafthead import load_head
+            head = load_head(draft_head, model)
+            target = compile_engine(model, device, compile, compile_prefill, features=head.args.target_layers)
+            return cls(model, tokenizer, target, make_speculator(speculation, None, model.args.block_size, head))
         target = compile_engine(model, device, compile, compile_prefill)
         if draft_checkpoint_path is None:
             return cls(model, tokenizer, target, make_speculator(speculation, None, model.args.block_size))
@@ -340,8 +423,14 @@ def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eo
     reserve_caches(model, len(prompts), T + max_new_tokens + (speculator.lookahead if speculator else 0) + 1)
     x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # [B, T], right-padded
     input_pos = torch.arange(T, device=device).expand(len(prompts), T)  # [B, T]
+    features = None
     with sdpa_context():
-        first, finite = target.prefill(model, x, input_pos, sampling, lengths - 1)
+        if getattr(speculator, "features", ()):  # a draft head reads the prompt's features too
+            logits, features = target.forward_features(x, input_pos)  # [B, T, V], [B, T, F]
+            logits = logits[torch.arange(len(prompts), device=device), lengths - 1]  # [B, V]
+            first, finite, features = sample(logits, sampling)[0], torch.isfinite(logits).all(), features.clone()
+        else:
+            first, finite = target.prefill(model, x, input_pos, sampling, lengths - 1)
     if not bool(finite):  # one look at the host per generation: NaN weights would otherwise decode token 0 forever
         raise non_finite_logits(model, "for the prompt")
     first = first.clone()
@@ -349,7 +438,7 @@ def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eo
     target = replace(target, decode_one_token=watch)
     if speculator is not None:  # verification looks at its own logits (speculate.verify_step)
         result = speculator.generate(target, prompts, first, max_new_tokens, sampling, eos_ids, stop_at_eos,
-                                     callback)
+                                     callback, **({"features": features} if features is not None else {}))
         watch.check()
         return result
     if callback:
@@ -479,6 +568,7 @@ class Settings:
     profile: Optional[Path] = None
     stats_json: Optional[Path] = None
     stop_at_eos: bool = True
+    draft_head: Optional[Path] = None  # a draft head's directory (drafthead.py)
 
     def check(self):
         """Settings that cannot work, refused before anything is loaded."""
@@ -508,7 +598,7 @@ class Settings:
         for name in ("stats_json", "profile"):
             if getattr(self, name) is not None:
                 check_output_file(Path(getattr(self, name)), name)
-        self.speculation.check(self.draft_checkpoint_path is not None)
+        self.speculation.check(self.draft_checkpoint_path is not None or self.draft_head is not None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -561,7 +651,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
     generator = Generator.build(settings.checkpoint_path, settings.device, settings.dtype,
                                 settings.draft_checkpoint_path, settings.speculation, settings.compile,
                                 settings.compile_prefill, settings.batch_size, settings.prompts_file is not None,
-                                shard)
+                                shard, settings.draft_head)
     load_seconds = time.perf_counter() - t0
     model = generator.model
     sampling = Sampling(settings.temperature, settings.top_k, settings.top_p)

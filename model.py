@@ -340,6 +340,17 @@ class Transformer(nn.Module):
     def hidden_states(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None,
                       mask: Optional[Tensor] = None, block=None) -> Tensor:
         """The last block's output [B, T, dim], before the final norm and the output layer."""
+        return self.run_layers(idx, input_pos, slots, mask, block)[0]
+
+    def forward_features(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None,
+                         mask: Optional[Tensor] = None, layers: tuple = (), block=None):
+        """forward()'s logits [B, T, V] and the inputs of the blocks `layers`, concatenated [B, T, len(layers) * dim]:
+        the features a draft head reads (EAGLE-3, Li et al. 2025: low, middle and high layers)."""
+        h, features = self.run_layers(idx, input_pos, slots, mask, block, layers)
+        return self.output(self.norm(h)), features
+
+    def run_layers(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor], mask: Optional[Tensor], block,
+                   capture: tuple = ()):
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
         if slots is None:
@@ -349,9 +360,12 @@ class Transformer(nn.Module):
             mask = (cache_slots.view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1))  # [B, 1, T, S]
         rope = self.rope_table[input_pos]  # [B, T, head_dim / 2, 2]
         x = self.tok_embeddings(idx)  # [B, T, dim]
-        for layer in self.layers:
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured.append(x)
             x = layer(x, rope, mask, slots) if block is None else block(layer, x, rope, mask, slots)
-        return x
+        return x, (torch.cat(captured, -1) if captured else None)
 
     def model_bytes(self) -> int:
         """Bytes of weights read per decoded token (parameters and quantization buffers)."""

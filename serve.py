@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
+from errors import UserError, interruptible_imports
 
-from decode import COMPILE_MODES, PRECISIONS, Sampling, configure_compiler, logits_to_probs, sdpa_context
-from errors import UserError
-from generation import Generator, Speculation
+interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
+import torch  # noqa: E402
+
+from decode import COMPILE_MODES, PRECISIONS, Sampling, configure_compiler, logits_to_probs, sdpa_context  # noqa: E402
+from generation import Generator, Speculation  # noqa: E402
 
 log = logging.getLogger("serve")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -423,7 +425,9 @@ class Scheduler:
             return run
 
         engine = dataclasses.replace(self.engine, forward=counted(self.engine.forward),
-                                     decode_one_token=counted(self.engine.decode_one_token))
+                                     decode_one_token=counted(self.engine.decode_one_token),
+                                     forward_features=self.engine.forward_features and
+                                     counted(self.engine.forward_features))
         first, tokens_before, forwards_before = [True], r.spec_tokens, r.spec_forwards
 
         def on_token(token):
@@ -438,9 +442,15 @@ class Scheduler:
 
         current = torch.tensor([r.tokens[-1]], device=self.device)
         context = r.prompt_ids + r.tokens[:-1]
+        extra = {}
+        if self.generator.speculator.features:  # a draft head reads the context's target features: one more pass
+            ids = torch.tensor([context], device=self.device)
+            with sdpa_context():
+                extra["features"] = self.engine.forward_features(ids, torch.arange(len(context), device=self.device)
+                                                                 .view(1, -1))[1].clone()
         try:
             self.generator.speculator.generate(engine, [context], current, r.max_tokens - len(r.tokens) + 1,
-                                               r.sampling, sorted(self.eos), True, on_token)
+                                               r.sampling, sorted(self.eos), True, on_token, **extra)
         except Yield:
             pass
         self.metrics.spec_tokens += r.spec_tokens - tokens_before
@@ -778,8 +788,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                             "lone request, a chat page at /")
     p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/tiny/target/model.pth"))
     p.add_argument("--draft_checkpoint_path", type=Path, default=None)
+    p.add_argument("--draft_head", type=Path, default=None, help="a draft head (scripts/train_draft_head.py)")
     p.add_argument("--speculate_k", default="5", help="draft depth K (>= 1), or 'auto'")
-    p.add_argument("--tree_nodes", type=int, default=None, help="draft tokens verified per target forward")
+    p.add_argument("--tree_nodes", default=None, help="draft tokens verified per target forward, or 'auto'")
     p.add_argument("--draft_ngram", type=int, default=0, metavar="N", help="n-gram lookup drafting")
     p.add_argument("--compile", nargs="?", const="auto", default="none", choices=COMPILE_MODES, metavar="MODE")
     p.add_argument("--max_batch_size", type=int, default=8, help="rows decoded together (continuous batching)")
@@ -800,8 +811,9 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
     precision = PRECISIONS[args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")]
     if args.compile != "none":
         configure_compiler(args.device)
+    nodes = args.tree_nodes if args.tree_nodes in (None, "auto") else int(args.tree_nodes)
     generator = Generator.build(args.checkpoint_path, args.device, precision, args.draft_checkpoint_path,
-                                Speculation(depth, args.tree_nodes, args.draft_ngram), args.compile)
+                                Speculation(depth, nodes, args.draft_ngram), args.compile, draft_head=args.draft_head)
     block = generator.model.args.block_size
     return Scheduler(generator, args.max_batch_size, args.max_queue, min(args.max_seq_length or 4096, block))
 
@@ -809,6 +821,8 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
 def check_args(args: argparse.Namespace):
     if args.speculate_k != "auto" and not args.speculate_k.isdigit():
         raise UserError(f"--speculate_k must be an integer >= 1 or 'auto', got {args.speculate_k!r}")
+    if args.tree_nodes not in (None, "auto") and not args.tree_nodes.isdigit():
+        raise UserError(f"--tree_nodes must be an integer or 'auto', got {args.tree_nodes!r}")
     for name in ("max_batch_size", "max_queue", "max_seq_length"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -14,11 +14,10 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, decode_n_tokens, logits_to_probs, sample_from, sdpa_context
+from decode import Engine, Sampling, logits_to_probs, sample_from, sdpa_context
 from errors import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
-AUTO_PROBE_STEPS = 2  # --speculate_k auto: speculative steps timed against a plain step before choosing
 
 
 def non_finite_logits(model, when: str) -> UserError:
@@ -189,7 +188,7 @@ class Stats:
     target_forwards: int = 1  # the prefill
     draft_forwards: int = 0
     drafted: int = 0  # depth drafted, summed over the steps
-    plain_after: Optional[int] = None  # --speculate_k auto chose plain decoding after this many target forwards
+    plain_steps: int = 0  # `auto` chose plain steps (one token per row, no draft) this many times
 
     def __post_init__(self):
         self.accept_counts = [0] * (self.depth + 1)
@@ -205,7 +204,7 @@ class Stats:
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
             "speculate_k": self.depth, "tree_nodes": self.tree_nodes, "drafted": self.drafted,
-            **({"plain_after_forwards": self.plain_after} if self.plain_after is not None else {}),
+            "plain_steps": self.plain_steps,
         }
 
 
@@ -217,15 +216,18 @@ def combine_stats(summaries: list) -> dict:
         total.target_forwards += summary["target_forwards"]
         total.draft_forwards += summary["draft_forwards"]
         total.drafted += summary["drafted"]
+        total.plain_steps += summary.get("plain_steps", 0)
     return total.summary()
 
 
-def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, active: Optional[list] = None) -> list:
+def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, active: Optional[list] = None,
+                features: bool = False):
     """One target forward over every row's tree (row b's node i at cache slot pos[b] + i, RoPE position
     pos[b] + depth, seeing the row's prefix and its ancestors), then verification of each active row, then
     each accepted path's keys/values moved to the slots right after its root. Trees have one size (Tree.pad_to).
     Returns [(accepted path, the target's next token)] per row; None for an inactive row (a finished one,
-    which keeps its place in the batch so the shapes stay fixed, and changes nothing)."""
+    which keeps its place in the batch so the shapes stay fixed, and changes nothing). With `features`, also the
+    target's features of every node [B, n, F] (Engine.forward_features: what a draft head reads)."""
     model = target.model
     device = model.tok_embeddings.weight.device
     n = len(trees[0].tokens)
@@ -237,7 +239,10 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     mask = torch.cat([tree_mask(tree.parents, p, model.max_seq_length, "cpu") for tree, p in zip(trees, pos)])
     mask = mask.to(device)
     with sdpa_context():
-        logits = target.forward(tokens, input_pos, slots, mask)  # [B, n, V]
+        if features:
+            logits, hidden = target.forward_features(tokens, input_pos, slots, mask)  # [B, n, V], [B, n, F]
+        else:
+            logits = target.forward(tokens, input_pos, slots, mask)  # [B, n, V]
     if not bool((logits < float("inf")).all()):  # NaN or +inf (-inf only rules its token out); the step syncs anyway
         raise non_finite_logits(model, "for a verified draft")
     active = active if active is not None else [True] * len(trees)
@@ -255,7 +260,7 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
             src += [pos[b] + node for node in path]
             dst += range(pos[b] + 1, pos[b] + 1 + len(path))
     move_cache_slots(model, src, dst, rows)
-    return results
+    return (results, hidden.clone()) if features else results  # clone: a CUDA graph's replay overwrites its outputs
 
 
 # ----------------------------------------------------------------------------- the speculative loop
@@ -263,89 +268,162 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
 class Drafter(Protocol):
     """What the speculative loop asks of a draft source (draftmodel.ModelDrafter, NgramDrafter): every step, one
     token tree per row, rooted at the row's current token."""
-    kind: str  # for the stats: "draft" (a chain), "tree" or "ngram"
+    kind: str  # for the stats: "draft" (a chain), "tree", "ngram" or "head"
     depth: int  # draft tokens per path
     tree_nodes: int  # drafted nodes per tree (== depth: a chain)
     lookahead: int  # cache slots a step may write past the accepted tokens
+    features: tuple  # target blocks whose inputs it reads (a draft head); () for none
 
-    def start(self, prompts: list, max_seq_length: int) -> int:
-        """A new generation after each row's prompt; returns the draft forwards it ran."""
+    def start(self, prompts: list, max_seq_length: int, features: Optional[Tensor] = None) -> int:
+        """A new generation after each row's prompt (features: the prompts' target features [B, T, F], if it reads
+        them); returns the draft forwards it ran."""
 
-    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling) -> tuple:
-        """One tree per row, rooted at roots[b] (cache slot pos[b]; contexts[b] ends with it), and the draft
-        forwards they took."""
+    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling, nodes=None) -> tuple:
+        """One tree per row, rooted at roots[b] (cache slot pos[b]; contexts[b] ends with it), of up to `nodes`
+        drafted nodes (default tree_nodes), and the draft forwards they took."""
 
-    def accepted(self, paths: list, trees: list, pos: list):
-        """The verifier accepted paths[b] (node indices of trees[b]) in each row; None in a finished row."""
+    def accepted(self, paths: list, trees: list, pos: list, features: Optional[Tensor] = None):
+        """The verifier accepted paths[b] (node indices of trees[b]) in each row; None in a finished row. features:
+        the target's features of every tree node [B, n, F], if it reads them."""
 
     def finish(self, outs: list):
         """The generation ended with these new tokens (one list per row)."""
 
 
 class AutoChoice:
-    """speculate_k auto: grow the depth after fully accepted chains, shrink it after rejections; and per batch size,
-    speculate only where it makes more tokens per second than plain decoding. The first generation at a batch size
-    times a plain decode step, then its first AUTO_PROBE_STEPS speculative steps (after one untimed step, which may
-    compile graphs); later generations at that batch size go straight to the choice made. Which lossless procedure
-    makes the next tokens depends only on the past, so the output stays lossless."""
+    """`speculate_k auto` / `tree_nodes auto`: before every step, the depth K and tree size N (an "arm"), or plain
+    decoding, with the most expected tokens per second, E(K, N) / (draft seconds(K, N) + verify seconds(N + 1)),
+    from what this run measured (a hardware-aware choice, as Sequoia's tree optimizer, Chen et al. 2024):
+    - verify seconds per batch size and width: every verification is timed; an unmeasured width is interpolated
+      linearly from measured ones (plain decoding is width 1, timed once before the first step);
+    - draft seconds per arm: timed when it runs; an unmeasured arm costs its depth times the measured seconds per
+      depth of arms of its kind (chain or tree), zero if none ran yet (so it gets tried);
+    - E(K, chain) = 1 + sum_i prod_{d <= i} a_d from each depth's acceptance rate a_d (decaying counts over the
+      drafted chains: a chain of depth K also tells what any shorter one would have accepted); E(K, tree) from the
+      tokens its own steps made, starting from an optimistic prior.
+    Plain decoding wins where no arm beats it; then every EXPLORE_EVERY plain steps one speculative step keeps the
+    estimates current. The choice depends only on the past, so every step stays lossless."""
+    EXPLORE_EVERY = 8
+    PRIOR = 0.6  # the prior acceptance rate of a drafted node, worth PRIOR_WEIGHT observations
+    PRIOR_WEIGHT = 2.0
+    DECAY = 0.98  # per observation: acceptance drifts with the text
+    EMA = 0.2  # weight of a new timing
 
-    def __init__(self, max_depth: int):
-        self.max_depth = max_depth
-        self.plain_wins = {}  # batch size -> whether plain decoding was faster
-        self.trial = None  # {"plain": seconds of a plain step, "steps", "seconds", "tokens", "plain_tokens"}
+    def __init__(self, arms: list):
+        self.arms = arms  # [(K, N)]
+        depth = max(k for k, _ in arms)
+        self.accepted = [self.PRIOR * self.PRIOR_WEIGHT] * (depth + 1)  # per depth d (index d): decayed counts
+        self.reached = [self.PRIOR_WEIGHT] * (depth + 1)
+        self.tree_tokens = {}  # arm -> [decayed tokens per row-step, decayed steps]
+        self.verify_seconds = {}  # (batch, width) -> seconds
+        self.draft_seconds = {}  # arm -> seconds (the whole batch's draft)
+        self.plain_streak = 0
 
-    def first_depth(self) -> int:
-        return min(2, self.max_depth)
+    def expected(self, arm) -> float:
+        """Expected tokens per row and step."""
+        k, n = arm
+        total, reach = 1.0, 1.0
+        for d in range(1, k + 1):
+            reach *= self.accepted[d] / self.reached[d]
+            total += reach
+        if n == k:
+            return total
+        made, steps = self.tree_tokens.get(arm, (0.0, 0.0))
+        prior = total * 1.2  # a tree of more nodes than its depth: worth trying
+        return (made + prior * self.PRIOR_WEIGHT) / (steps + self.PRIOR_WEIGHT)
 
-    def start(self, batch: int, time_plain_step) -> bool:
-        """Whether to decode plainly from the start; without a choice for this batch size yet, a trial begins."""
-        if batch in self.plain_wins:
-            return self.plain_wins[batch]
-        self.trial = {"batch": batch, "plain": time_plain_step(), "steps": 0, "seconds": 0.0, "tokens": 0,
-                      "plain_tokens": 0}
-        return False
+    def verify_cost(self, batch: int, width: int) -> float:
+        known = sorted((w, t) for (b, w), t in self.verify_seconds.items() if b == batch)
+        if not known:
+            return 0.0
+        exact = dict(known).get(width)
+        if exact is not None:
+            return exact
+        if len(known) == 1:  # one width measured: assume flat (bandwidth-bound) until another is
+            return known[0][1]
+        below = [kt for kt in known if kt[0] < width] or known[:1]
+        above = [kt for kt in known if kt[0] > width] or known[-1:]
+        (w0, t0), (w1, t1) = below[-1], above[0]
+        if w0 == w1:
+            (w0, t0), (w1, t1) = known[-2], known[-1]
+        return max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), 0.0)
 
-    def timing(self) -> bool:
-        return self.trial is not None
+    def draft_cost(self, arm) -> float:
+        if arm in self.draft_seconds:
+            return self.draft_seconds[arm]
+        k, n = arm
+        same = [t / a[0] for a, t in self.draft_seconds.items() if (a[1] == a[0]) == (n == k)]
+        return k * sum(same) / len(same) if same else 0.0
 
-    def record(self, seconds: float, tokens: int, rows: int) -> bool:
-        """A timed speculative step (its wall time, the tokens it made, the live rows: a plain step makes one each);
-        returns True where the trial is over and plain decoding won."""
-        trial = self.trial
-        trial["steps"] += 1
-        if trial["steps"] > 1:
-            trial["seconds"] += seconds
-            trial["tokens"] += tokens
-            trial["plain_tokens"] += rows
-        if trial["steps"] <= AUTO_PROBE_STEPS:
-            return False
-        plain = trial["tokens"] / trial["seconds"] < trial["plain_tokens"] / trial["plain"]
-        self.plain_wins[trial["batch"]] = plain
-        self.trial = None
-        return plain
+    def choose(self, batch: int):
+        """The arm for the next step, or None for a plain step."""
+        plain = self.verify_cost(batch, 1)
+        rate = {arm: self.expected(arm) / max(self.draft_cost(arm) + self.verify_cost(batch, arm[1] + 1), 1e-9)
+                for arm in self.arms}
+        best = max(self.arms, key=lambda arm: (rate[arm], -arm[1], -arm[0]))
+        if plain > 0 and 1.0 / plain >= rate[best] and self.plain_streak < self.EXPLORE_EVERY:
+            self.plain_streak += 1
+            return None
+        self.plain_streak = 0
+        return best
 
-    def next_depth(self, depth: int, accepted: list) -> int:
-        mean = sum(accepted) / max(len(accepted), 1)
-        if mean == depth:
-            return min(self.max_depth, depth + 2)
-        return max(1, depth - 1) if mean < depth - 0.5 else depth
+    def timed(self, table: dict, key, seconds: float):
+        old = table.get(key)
+        table[key] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+
+    def observe(self, arm, trees: list, paths: list, draft_seconds: float, verify_seconds: float, batch: int):
+        """A step of `arm` (None: plain): its timings and, per live row, the tree and accepted path."""
+        self.timed(self.verify_seconds, (batch, 1 if arm is None else arm[1] + 1), verify_seconds)
+        if arm is None:
+            return
+        self.timed(self.draft_seconds, arm, draft_seconds)
+        k, n = arm
+        live = [(tree, path) for tree, path in zip(trees, paths) if path is not None]
+        if n == k:  # a chain: depth d was reached if the d - 1 nodes above it were accepted
+            for _, path in live:
+                for d in range(1, k + 1):
+                    if len(path) < d - 1:
+                        break
+                    self.accepted[d] = self.accepted[d] * self.DECAY + (len(path) >= d)
+                    self.reached[d] = self.reached[d] * self.DECAY + 1.0
+        else:
+            made, steps = self.tree_tokens.get(arm, (0.0, 0.0))
+            for _, path in live:
+                made, steps = made * self.DECAY + len(path) + 1, steps * self.DECAY + 1
+            self.tree_tokens[arm] = (made, steps)
+
+
+def auto_arms(depth: int, tree_nodes: Optional[int], auto_depth: bool, auto_nodes: bool, max_nodes: int) -> list:
+    """The (K, N) pairs `auto` chooses among: every depth up to `depth` if auto_depth (else `depth`), each as a chain
+    and, if auto_nodes, as trees of 2K, 4K and 8K nodes up to max_nodes; else as trees of `tree_nodes` (None: a
+    chain)."""
+    depths = range(1, depth + 1) if auto_depth else [depth]
+    arms = []
+    for k in depths:
+        if auto_nodes:
+            sizes = [k] + [m * k for m in (2, 4, 8) if m * k <= max_nodes]
+        else:
+            sizes = [max(k, tree_nodes or k)]
+        arms += [(k, n) for n in sizes]
+    return arms
 
 
 class Speculator:
     """The generation loop shared by every drafter: draft a tree per row, verify them all in one target forward,
     accept a path per row and compact the caches, repeat. Rows (different prompts) keep their own cache length,
-    acceptance and stop."""
+    acceptance and stop. With `auto` (an AutoChoice) each step's depth and tree size, or a plain step, is chosen."""
 
-    def __init__(self, drafter: Drafter, auto: bool = False):
+    def __init__(self, drafter: Drafter, auto: Optional[AutoChoice] = None):
         self.drafter = drafter
-        self.auto = AutoChoice(drafter.depth) if auto else None
-        self.kind, self.lookahead = drafter.kind, drafter.lookahead
+        self.auto = auto
+        self.kind, self.lookahead, self.features = drafter.kind, drafter.lookahead, drafter.features
 
     def generate(self, target: Engine, prompts: list, first: Tensor, max_new_tokens: int, sampling: Sampling,
-                 eos_ids: list, stop_at_eos: bool, callback=None):
+                 eos_ids: list, stop_at_eos: bool, callback=None, features: Optional[Tensor] = None):
         """Tokens after each row's prompt (lists of ids, any lengths; the target's cache holds them, right-padded)
-        and `first` ([B], the prefill's tokens). Returns ([new ids per row], acceptance stats)."""
-        drafter, batch = self.drafter, len(prompts)
+        and `first` ([B], the prefill's tokens); features: the prompts' target features [B, T, F] where the drafter
+        reads them. Returns ([new ids per row], acceptance stats)."""
+        drafter, batch, auto = self.drafter, len(prompts), self.auto
         assert callback is None or batch == 1, "streaming is for one row"
         stats = Stats(drafter.depth, drafter.tree_nodes)
         eos = set(eos_ids)
@@ -359,34 +437,38 @@ class Speculator:
 
         live = [not finished(out) for out in outs]
         contexts = [p + out for p, out in zip(prompts, outs)]  # a finished row's stays as it was: it idles
-
-        def decode_the_rest():
-            stats.plain_after = stats.target_forwards
-            left = max([max_new_tokens - len(out) for out, alive in zip(outs, live) if alive] or [0])
-            stats.target_forwards += decode_plainly(target, contexts, pos, outs, live, finished, left, sampling,
-                                                    eos_ids, stop_at_eos, callback)
-
-        if self.auto and any(live) and self.auto.start(batch, lambda: plain_step_seconds(target, contexts, pos,
-                                                                                            sampling)):
-            decode_the_rest()
         if any(live):
-            stats.draft_forwards += drafter.start(prompts, target.model.max_seq_length)
-        depth = self.auto.first_depth() if self.auto else drafter.depth
+            stats.draft_forwards += drafter.start(prompts, target.model.max_seq_length, features)
+        if auto and any(live) and (batch, 1) not in auto.verify_seconds:
+            auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, contexts, pos, sampling))
         while any(live):
-            started, produced, rows = time.perf_counter(), sum(map(len, outs)), sum(live)
-            trees, forwards = drafter.draft([c[-1] for c in contexts], pos, depth, contexts, sampling)
-            results = verify_step(target, [tree.pad_to(drafter.tree_nodes + 1) for tree in trees], pos, sampling,
-                                  live)
+            arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
+            started = time.perf_counter()
+            if arm is None:  # a plain step: the root alone, verified like a tree
+                trees, forwards = [Tree.rooted_at(c[-1]) for c in contexts], 0
+                stats.plain_steps += 1
+            else:
+                trees, forwards = drafter.draft([c[-1] for c in contexts], pos, arm[0], contexts, sampling,
+                                                **({"nodes": arm[1]} if auto else {}))
+            synchronize(target.model)
+            drafted = time.perf_counter()
+            results = verify_step(target, [tree.pad_to((arm[1] if arm else 0) + 1) for tree in trees], pos,
+                                  sampling, live, bool(self.features))
+            results, hidden = results if self.features else (results, None)
             paths = [result[0] if result else None for result in results]
-            drafter.accepted(paths, trees, pos)
+            drafter.accepted(paths, trees, pos, hidden)
+            if auto:
+                synchronize(target.model)
+                auto.observe(arm, trees, paths, drafted - started, time.perf_counter() - drafted, batch)
             stats.draft_forwards += forwards
             stats.target_forwards += 1
             for b, result in enumerate(results):
                 if result is None:
                     continue
                 path, next_token = result
-                stats.accept_counts[len(path)] += 1
-                stats.drafted += depth
+                if arm is not None:
+                    stats.accept_counts[len(path)] += 1
+                    stats.drafted += arm[0]
                 new = [trees[b].tokens[node] for node in path] + [next_token]
                 for t in new:
                     outs[b].append(t)
@@ -398,22 +480,14 @@ class Speculator:
                 if live[b]:
                     pos[b] += len(new)
                     contexts[b] += new
-            if self.auto and self.auto.timing():
-                synchronize(target.model)
-                if self.auto.record(time.perf_counter() - started, sum(map(len, outs)) - produced, rows) \
-                        and any(live):
-                    decode_the_rest()
-                    break
-            if self.auto:
-                depth = self.auto.next_depth(depth, [len(p) for p, r in zip(paths, results) if r is not None])
         drafter.finish(outs)
         return outs, stats.summary()
 
 
 def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling) -> float:
-    """Seconds of one plain decode step of the whole batch: the target's decode graph on each row's current token,
-    which writes only the cache slot that token's verification writes again with the same values. Timed on the
-    second call (the first may compile the graph)."""
+    """Seconds of one plain step of the whole batch: the target's forward on each row's current token, which writes
+    only the cache slot that token's verification writes again with the same values. Timed on the second call (the
+    first may compile the graph)."""
     model = target.model
     device = model.tok_embeddings.weight.device
     x = torch.tensor([c[-1] for c in contexts], device=device).view(-1, 1)  # [B, 1]
@@ -422,28 +496,9 @@ def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Samp
         synchronize(model)
         started = time.perf_counter()
         with sdpa_context():
-            target.decode_one_token(model, x, input_pos, sampling)
+            target.forward(x, input_pos)
         synchronize(model)
     return time.perf_counter() - started
-
-
-def decode_plainly(target: Engine, contexts: list, pos: list, outs: list, live: list, finished, n: int,
-                   sampling: Sampling, eos_ids: list, stop_at_eos: bool, callback=None) -> int:
-    """Finish the live rows one token per target forward (decode.decode_n_tokens: at most n tokens after each row's
-    current one); returns the forwards it took."""
-    device = target.model.tok_embeddings.weight.device
-    roots = torch.tensor([c[-1] for c in contexts], device=device)  # [B]
-    rest = decode_n_tokens(target, roots, torch.tensor(pos, device=device), n, sampling, eos_ids, stop_at_eos,
-                           callback)
-    if not rest:
-        return 0
-    for b, column in enumerate(torch.stack(rest, 1).tolist()):  # [B, forwards]
-        for t in column:
-            if not live[b]:
-                break
-            outs[b].append(t)
-            live[b] = not finished(outs[b])
-    return len(rest)
 
 
 # ----------------------------------------------------------------------------- n-gram lookup
@@ -493,32 +548,32 @@ class Lookup:
 
 class NgramDrafter:
     """The lookup trie's most frequent branches become the tree. Children are chosen deterministically."""
-    kind = "ngram"
+    kind, features = "ngram", ()
 
     def __init__(self, n: int, depth: int, tree_nodes: int):
         self.depth, self.tree_nodes, self.lookahead = depth, tree_nodes, tree_nodes + 2
         self.lookup = Lookup(n)
 
-    def start(self, prompts: list, max_seq_length: int) -> int:
+    def start(self, prompts: list, max_seq_length: int, features=None) -> int:
         self.lookups = [self.lookup.fresh() for _ in prompts]
         return 0
 
-    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling):
-        trees = [self.best_first(root, lookup.trie(context, depth))
+    def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling, nodes=None):
+        trees = [self.best_first(root, lookup.trie(context, depth), nodes or self.tree_nodes)
                  for root, lookup, context in zip(roots, self.lookups, contexts)]
         return trees, 0
 
-    def best_first(self, root: int, trie: dict) -> Tree:
+    def best_first(self, root: int, trie: dict, nodes: int) -> Tree:
         tree = Tree.rooted_at(root)
         frontier = [(-count, 1, token, sub, 0) for token, (count, sub) in trie.items()]
-        while frontier and len(tree.tokens) <= self.tree_nodes:
+        while frontier and len(tree.tokens) <= nodes:
             frontier.sort(key=lambda f: (f[0], f[1]))
             _, depth, token, sub, parent = frontier.pop(0)
             node = tree.add(token, parent)
             frontier += [(-c, depth + 1, t, s, node) for t, (c, s) in sub.items()]
         return tree
 
-    def accepted(self, paths: list, trees: list, pos: list):
+    def accepted(self, paths: list, trees: list, pos: list, features=None):
         pass
 
     def finish(self, outs: list):
@@ -535,6 +590,7 @@ def same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size: int, d
 
 
 MAX_TREE_NODES = 256  # a verify forward over more nodes costs more than it can accept, on any hardware
+MAX_AUTO_NODES = 32  # the largest tree `tree_nodes auto` tries
 
 
 def format_stats(stats: dict) -> str:

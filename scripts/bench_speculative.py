@@ -3,6 +3,12 @@ generation), in one process run, on the tiny pair from scripts/train_tiny.py.
 
     python scripts/bench_speculative.py                      # greedy and T=0.7, compiled, fp32
     python scripts/bench_speculative.py --precision bf16 --json bench_results/speculative_bf16.json
+    python scripts/bench_speculative.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct  # a real model
+
+With --checkpoint_dir (a real model with a draft head trained by scripts/train_draft_head.py in DIR/head): held-out
+chat questions at T = 0 and 0.7, our plain decode, the model's own int4 copy as the draft, n-gram drafts, the head's
+chains and trees (a sweep of depths and sizes) and `auto`, a copy-heavy prompt, a batch of 4 questions, and
+llama.cpp's plain decode of the GGUF (Q4_1 and Q8_0) beside them; see real_model().
 
 Prompts: the opening lines of held-out standard-library files (OUT/heldout_files.txt, never trained on).
 Copy task (for --draft_ngram): a prompt holding a held-out file's text, then its first lines again, so the
@@ -17,6 +23,7 @@ target forward and c the measured draft/target cost of one forward (their plain 
 implementation efficiency = measured speedup / predicted speedup.
 """
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -85,8 +92,163 @@ def speculator_for(draft_engine, k, nodes=None, ngram=0):
     return generation.make_speculator(generation.Speculation(k, nodes, ngram), draft_engine, max_seq_length=4096)
 
 
+# chat questions the head never trained on (scripts/train_draft_head.py asks about the standard library's sources)
+HELD_OUT = ["What causes the seasons on Earth? Answer in a short paragraph.",
+            "Give me three tips for writing clear emails.",
+            "How does a refrigerator keep food cold?",
+            "Write a short story about a robot who learns to paint.",
+            "What is the difference between weather and climate?",
+            "Explain how a bill becomes a law, briefly."]
+COPY_TEXT = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, the "
+             "members agreed to spend more on children's books, to extend the opening hours on weekends, and to "
+             "hire two more librarians before the end of the year.")
+
+
+def real_model(args):
+    """SmolLM2-style rows: every configuration takes turns run by run (best of --repeats after a warm-up), greedy
+    and sampled; tokens per target forward; predicted speedup = tokens per target forward * plain step seconds /
+    (draft seconds per step + verify seconds at the step's width), from the costs measured in this run; efficiency =
+    measured / predicted speedup."""
+    import time
+    import bench_real
+    from drafthead import load_head
+    from speculate import synchronize
+    directory = args.checkpoint_dir
+    model_pth, head_dir = directory / "model.pth", args.draft_head or directory / "head"
+    tokenizer = get_tokenizer(directory)
+    questions = [tokenizer.chat_ids([{"role": "user", "content": q}]) for q in HELD_OUT[:args.prompts]]
+    copy = [tokenizer.chat_ids([{"role": "user", "content": f"Repeat this text exactly:\n\n{COPY_TEXT}"}])]
+    mode = "none" if args.no_compile else ("autotune" if args.autotune else "auto")
+    target = generation.load_model(model_pth)
+    head = load_head(head_dir, target)
+    plain_engine = decode.compile_engine(target, "cpu", mode)
+    head_engine = decode.compile_engine(target, "cpu", mode, features=head.args.target_layers)
+    int4 = generation.load_model(benchlib.quantized_checkpoint(model_pth, "int4", 32))
+    int4_engine = decode.compile_engine(int4, "cpu", mode)
+
+    def spec(k, nodes=None, ngram=0, drafter="head"):
+        draft = int4_engine if drafter == "int4" else None
+        return generation.make_speculator(generation.Speculation(k, nodes, ngram), draft, target.args.block_size,
+                                          head if drafter == "head" else None)
+    rows, threads = [], args.threads or os.cpu_count()
+
+    def measure(task, sampling, prompts, configs, batch=1):
+        """configs: name -> (engine, speculator or None); timed in turns."""
+        best = {name: [float("inf")] * len(prompts) for name in configs}
+        last, draft_seconds, steps = {}, dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
+        for name, (_, speculator) in configs.items():  # time each drafter's draft() in the timed runs
+            if speculator is not None:
+                drafter, real = speculator.drafter, speculator.drafter.draft
+
+                def timed(*a, name=name, real=real, **k):
+                    t = time.perf_counter()
+                    out = real(*a, **k)
+                    draft_seconds[name] += time.perf_counter() - t
+                    steps[name] += 1
+                    return out
+                drafter.draft = timed
+        for i, ids in enumerate(prompts):
+            rows_in = [ids] * batch if batch == 1 else prompts[i:i + batch]
+            if batch > 1 and len(rows_in) < batch:
+                break
+            for turn in range(args.repeats + 1):
+                for name, (engine, speculator) in configs.items():
+                    torch.manual_seed(turn)
+                    t = time.perf_counter()
+                    out, stats = generation.generate(engine, rows_in if batch > 1 else torch.tensor(ids),
+                                                     args.new_tokens, sampling, [], stop_at_eos=False,
+                                                     speculator=speculator)
+                    if turn:
+                        best[name][i] = min(best[name][i], time.perf_counter() - t)
+                    last.setdefault(name, {})[i] = (out, stats)
+        base = None
+        for name in configs:
+            timed_runs = [i for i in range(len(prompts)) if best[name][i] < float("inf")]
+            tokens = sum(sum(len(r) for r in last[name][i][0]) for i in timed_runs)
+            tps = tokens / sum(best[name][i] for i in timed_runs)
+            base = base or tps
+            stats = [last[name][i][1] for i in timed_runs]
+            row = {"task": task, "temperature": sampling.temperature, "batch": batch, "impl": "ours", "config": name,
+                   "tokens_per_sec": tps, "speedup": tps / base}
+            if stats and "accept_counts" in stats[0]:
+                row.update(merge_stats([(None, s) for s in stats]))
+                row["plain_steps"] = sum(s.get("plain_steps", 0) for s in stats)
+                if steps[name]:
+                    row["draft_ms_per_step"] = 1000 * draft_seconds[name] / steps[name]
+            if sampling.temperature == 0:
+                row["same_as_plain"] = all(last[name][i][0] == last["plain"][i][0] for i in timed_runs)
+            rows.append(row)
+            print(f"  {task} T={sampling.temperature} B={batch} {name}: {tps:.1f} tok/s x{row['speedup']:.2f}"
+                  + (f", {row['tokens_per_target_forward']:.2f} tokens/target forward"
+                     if "tokens_per_target_forward" in row else ""), flush=True)
+
+    def verify_seconds(width, batch=1):
+        """One target forward of `width` tokens per row (the best of 5), as verification runs it."""
+        plain_engine.model.setup_caches(batch, 512)
+        x = torch.zeros(batch, width, dtype=torch.long)
+        pos = torch.arange(100, 100 + width).expand(batch, width)
+        times = []
+        for _ in range(6):
+            t = time.perf_counter()
+            plain_engine.forward(x, pos)
+            synchronize(target)
+            times.append(time.perf_counter() - t)
+        return min(times[1:])
+
+    chains = {f"head chain K={k}": (head_engine, spec(k)) for k in args.head_depths}
+    trees = {f"head tree N={n} K={k}": (head_engine, spec(k, n)) for k, n in args.head_trees}
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        sampling = decode.Sampling(temperature)
+        measure("chat", sampling, questions, {
+            "plain": (plain_engine, None), "int4 draft chain K=5": (plain_engine, spec(5, drafter="int4")),
+            "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)), **chains, **trees,
+            "head auto": (head_engine, spec("auto", "auto"))})
+    measure("copy", decode.Sampling(0.0), copy, {
+        "plain": (plain_engine, None), "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)),
+        "3-gram auto": (plain_engine, spec("auto", "auto", 3, drafter=None)),
+        "head chain K=5": (head_engine, spec(5)), "head auto": (head_engine, spec("auto", "auto"))})
+    measure("chat", decode.Sampling(0.0), questions[:4], {
+        "plain": (plain_engine, None), "head chain K=5": (head_engine, spec(5)),
+        "head tree N=16 K=5": (head_engine, spec(5, 16)), "head auto": (head_engine, spec("auto", "auto"))}, batch=4)
+    plain_step = {1: verify_seconds(1), 4: verify_seconds(1, 4)}
+    for row in rows:
+        if "draft_ms_per_step" in row and "auto" not in row["config"]:
+            cost = row["draft_ms_per_step"] / 1000 + verify_seconds(row["tree_nodes"] + 1, row["batch"])
+            row["predicted_speedup"] = row["tokens_per_target_forward"] * plain_step[row["batch"]] / cost
+            row["efficiency"] = row["speedup"] / row["predicted_speedup"]
+    try:
+        for gguf in (args.gguf, benchlib.requantized_q8_0(args.gguf)):
+            run, _ = bench_real.llama_cpp_run(gguf, threads)
+            seconds = []
+            for ids in questions:
+                run(ids, args.new_tokens)
+                t = time.perf_counter()
+                run(ids, args.new_tokens)
+                seconds.append(time.perf_counter() - t)
+            tps = len(questions) * args.new_tokens / sum(seconds)
+            rows.append({"task": "chat", "temperature": 0.0, "batch": 1, "impl": "llama.cpp",
+                         "config": f"plain {gguf.name.split('.')[-2]}", "tokens_per_sec": tps})
+            print(f"  llama.cpp {gguf.name}: {tps:.1f} tok/s", flush=True)
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp rows", flush=True)
+    columns = ["task", "temperature", "batch", "impl", "config", "tokens_per_sec", "speedup",
+               "tokens_per_target_forward", "mean_accepted", "plain_steps", "draft_ms_per_step", "predicted_speedup",
+               "efficiency", "same_as_plain"]
+    print()
+    benchlib.print_table(rows, columns)
+    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": rows,
+                                    "head": json.loads((Path(head_dir) / "config.json").read_text()),
+                                    "settings": {k: str(v) for k, v in vars(args).items()}})
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint_dir", type=Path, default=None, help="a real model (see above) instead of the pair")
+    p.add_argument("--draft_head", type=Path, default=None, help="the head's directory (default CHECKPOINT_DIR/head)")
+    p.add_argument("--gguf", type=Path, default=ROOT / "checkpoints/gguf/SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--head_depths", type=lambda v: [int(x) for x in v.split(",")], default=[3, 4, 5, 6])
+    p.add_argument("--head_trees", type=lambda v: [tuple(map(int, x.split("/"))) for x in v.split(",")],
+                   default=[(4, 8), (5, 16), (6, 24)], help="K/N pairs, comma-separated")
     p.add_argument("--pair", type=Path, default=ROOT / "checkpoints/tiny", help="train_tiny.py's OUT directory")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt_tokens", type=int, default=96)
@@ -112,6 +274,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count())
     torch._dynamo.config.cache_size_limit = 64
+    if args.checkpoint_dir is not None:
+        if args.json == ROOT / "bench_results/speculative.json":
+            args.json = ROOT / "bench_results/speculative_real.json"
+        return real_model(args)
     compile_ = not args.no_compile
     target_pth, draft_pth = args.pair / "target/model.pth", args.pair / "draft/model.pth"
     for path in (target_pth, draft_pth):

@@ -85,28 +85,67 @@ def test_compiled_rows_equal_each_prompt_alone_without_recompiling(random_target
         assert after == before, f"{kind}: {after - before} graphs compiled after warm-up"
 
 
-def test_speculate_k_auto_falls_back_to_plain_when_speculation_is_slower(random_target, near_draft, monkeypatch):
-    """--speculate_k auto times a plain step against its first speculative steps and decodes plainly when
-    speculation measured slower; either way each row equals its prompt alone."""
-    model, draft = generation.load_model(random_target), generation.load_model(near_draft)
+@pytest.mark.parametrize("drafter", ["draft model", "n-gram", "draft head", "head tree"])
+def test_auto_steps_of_any_size_or_plain_keep_every_row(random_target, near_draft, drafter, monkeypatch):
+    """Whatever `auto` picks step by step (plain steps, depths, tree sizes, in any order), every row equals its
+    prompt decoded alone: the drafters catch up on what plain steps decoded without them."""
+    from test_drafthead import random_head
+    model = generation.load_model(random_target)
     engine = decode.Engine(model)
     want = alone(engine, BATCH, 30)
-    for plain_step, switched in ((1e-9, True), (1e9, False)):  # plain decoding made to look faster, then slower
-        monkeypatch.setattr(speculate, "plain_step_seconds", lambda *a: plain_step)
-        speculation = generation.Speculation("auto")
-        drafter = generation.make_speculator(speculation, decode.Engine(draft), model.args.block_size)
-        got, stats = generation.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
-                                       stop_at_eos=False, speculator=drafter)
-        assert got == want
-        assert ("plain_after_forwards" in stats) == switched
-        if switched:  # the prefill and the timed speculative steps, then plain forwards for the rest
-            assert stats["plain_after_forwards"] == 1 + speculate.AUTO_PROBE_STEPS + 1
-            assert stats["target_forwards"] > stats["plain_after_forwards"] + 5
-        # the next generation at this batch size goes straight to the choice made
-        got, stats = generation.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [],
-                                       stop_at_eos=False, speculator=drafter)
-        assert got == want
-        assert stats.get("plain_after_forwards") == (1 if switched else None)
+    script = [None, (3, 3), None, None, (1, 1), (2, 8), None, (3, 6), (2, 2)]
+    head = None
+    if drafter == "draft model":  # its tree size is fixed by its graphs: chains only
+        speculation, draft = generation.Speculation("auto"), decode.Engine(generation.load_model(near_draft))
+        script = [arm if arm is None else (arm[0], arm[0]) for arm in script]
+    else:
+        speculation, draft = generation.Speculation(3, "auto", 3 if drafter == "n-gram" else 0), None
+        if drafter != "n-gram":
+            head = random_head(model, 300, seed=2)
+            engine = decode.Engine(model, features=head.args.target_layers)
+    speculator = generation.make_speculator(speculation, draft, model.args.block_size, head)
+    steps = iter(script * 20)
+    monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: next(steps))
+    got, stats = generation.generate(engine, [list(p) for p in BATCH], 30, decode.Sampling(), [], stop_at_eos=False,
+                                     speculator=speculator)
+    assert got == want
+    assert stats["plain_steps"] >= 3 and sum(stats["accept_counts"]) >= 3
+
+
+def test_auto_choice_follows_measured_costs_and_acceptance():
+    """AutoChoice picks plain steps where drafts are rejected, deep chains where they are accepted and verification
+    is cheap, and in between the depth a brute-force computation of tokens per second picks."""
+    arms = speculate.auto_arms(8, None, True, False, 8)
+
+    def run(accept: float, width_cost: float, steps: int = 300) -> list:
+        auto, rng, picks = speculate.AutoChoice(arms), torch.Generator().manual_seed(0), []
+        auto.timed(auto.verify_seconds, (1, 1), 1.0)
+        for _ in range(steps):
+            arm = auto.choose(1)
+            picks.append(arm)
+            if arm is None:
+                auto.observe(None, [], [], 0.0, 1.0, 1)
+                continue
+            k = arm[0]
+            accepted = 0
+            while accepted < k and float(torch.rand((), generator=rng)) < accept:
+                accepted += 1
+            tree = speculate.Tree.rooted_at(0, 0)
+            for d in range(k):
+                tree.add(0, d)
+            auto.observe(arm, [tree], [list(range(1, accepted + 1))], 0.05 * k, 1.0 + width_cost * k, 1)
+        return picks[100:]
+
+    rejected = run(0.0, 0.5)
+    assert rejected.count(None) >= 0.8 * len(rejected)
+    cheap = run(0.95, 0.0)
+    assert all(arm is not None and arm[0] >= 6 for arm in cheap[-50:])
+
+    def rate(k, a=0.7, width_cost=0.1):
+        return sum(a ** i for i in range(k + 1)) / (0.05 * k + 1.0 + width_cost * k)
+    best = max(range(1, 9), key=rate)
+    middle = [arm[0] for arm in run(0.7, 0.1) if arm is not None]
+    assert sum(rate(k) for k in middle) / len(middle) >= 0.95 * rate(best)
 
 
 def test_prompts_file_with_a_draft(random_target, near_draft, tmp_path):

@@ -1,5 +1,5 @@
 """The layout: imports flow one way, errors, kernels <- model <- tokenizer, quantize, tp <- decode <- speculate <-
-draftmodel, crossdraft <- generation (the library) <- generate.py (the command line) <- nothing: scripts and tests
+draftmodel <- drafthead, crossdraft <- generation (the library) <- generate.py (the command line) <- nothing: scripts and tests
 import the library, never the command line."""
 import ast
 import subprocess
@@ -9,7 +9,7 @@ from helpers import ROOT
 
 # each imports only earlier ones
 ORDER = ["errors", "artifacts", "kernels", "model", "tokenizer", "quantize", "tp", "decode", "speculate", "draftmodel",
-         "crossdraft", "generation", "generate", "serve", "eval"]
+         "drafthead", "crossdraft", "generation", "generate", "serve", "eval"]
 LIBRARY = ORDER[:ORDER.index("generation") + 1]
 ENTRY_POINTS = ORDER[len(LIBRARY):]  # run, never imported
 

@@ -402,6 +402,24 @@ def test_a_lone_request_speculates_and_stays_exact(random_target, near_draft, li
         running.stop()
 
 
+def test_a_lone_request_speculates_with_a_draft_head(random_target, library, tmp_path):
+    """--draft_head in the server: the lone request's context features come from one more target pass, and the
+    answer is the library's alone, token for token, with `auto` choosing depths, tree sizes and plain steps."""
+    from drafthead import save_head
+    from test_drafthead import random_head
+    save_head(random_head(library.model, 200, seed=4), tmp_path / "head")
+    running = Running(random_target, "--max_batch_size", 2, "--draft_head", tmp_path / "head", "--speculate_k", "auto",
+                      "--tree_nodes", "auto")
+    try:
+        messages = [{"role": "user", "content": "Say something long."}]
+        _, text = alone(library, library.tokenizer.chat_ids(messages), 48)
+        reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 48, "temperature": 0})[1]
+        assert reply["choices"][0]["message"]["content"] == text
+        assert running.scheduler.metrics.spec_forwards > 0
+    finally:
+        running.stop()
+
+
 def launch(checkpoint, *flags):
     """python serve.py as a user runs it (the model in the main thread), on a free loopback port, once ready:
     (process, a stand-in for Running with .port and .get)."""

@@ -148,7 +148,8 @@ def test_clear_errors(random_target, random_draft, tmp_path, tokenizer_model):
     assert "--tree_nodes needs a draft" in error_of("--checkpoint_path", random_target, "--tree_nodes", "8")
     assert "--draft_ngram" in error_of(*spec, "--draft_ngram", "3")
     assert "N >= 2" in error_of("--checkpoint_path", random_target, "--draft_ngram", "1")
-    assert "auto" in error_of(*spec, "--speculate_k", "auto", "--tree_nodes", "12")
+    assert "--tree_nodes must be an integer or 'auto'" in error_of(*spec, "--tree_nodes", "many")
+    assert "--tree_nodes auto sizes the trees of a draft head" in error_of(*spec, "--tree_nodes", "auto")
 
 
 # ----------------------------------------------------------------------------- sampling is lossless

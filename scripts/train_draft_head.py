@@ -1,0 +1,353 @@
+"""Train a draft head (drafthead.py) for a checkpoint on this machine, from the target alone.
+
+    python scripts/train_draft_head.py --checkpoint_path checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth \
+        --out checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/head
+    python generate.py --compile --checkpoint_path .../model.pth --draft_head .../head --chat --prompt "..."
+
+1. Prompts from text that ships offline: questions about the Python standard library's own modules and docstrings
+   (parsed from its sources, not imported), and paragraphs of --text FILE (repeatable) to summarize or continue.
+2. Self-distillation (EAGLE, HASS): the target answers them itself through the batched engine, greedily and at
+   temperature 0.7, in its chat template, so the head learns what the target says, not what a dataset says.
+3. One eager pass of the target over every conversation keeps its features (inputs of a low, a middle and a high
+   block, EAGLE-3) and its top-k next-token probabilities at every position.
+4. The draft vocabulary is the most frequent tokens of the distilled answers (FR-Spec, Zhao et al. 2025).
+5. Training-time test (EAGLE-3, Li et al. 2025): step s at slot p feeds the head its own step s - 1 output from slot
+   p - 1 and attends the real entries up to the chain's root p - s + 1 plus its own chain: the head learns to draft
+   from its own predictions, as it does at depth s. Loss: cross-entropy against the target's top-k distribution.
+Each phase's result is kept in OUT/work/ (written atomically); run the same command again to resume.
+"""
+import argparse
+import ast
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from errors import UserError, run_cli, write_atomically  # noqa: E402
+
+TEMPLATES = ["What does the Python function `{name}` in the `{module}` module do?",
+             "Explain `{module}.{name}` to a beginner, with a short example.",
+             "Here is the documentation of `{module}.{name}`:\n\n{doc}\n\nExplain it in simple words.",
+             "Write a small Python program that uses `{module}.{name}`.",
+             "When would I use the `{module}` module in Python? Answer briefly.",
+             "{doc}\n\nSummarize this in one or two sentences."]
+TEXT_TEMPLATES = ["Summarize the following text:\n\n{text}", "Continue this text:\n\n{text}",
+                  "What is the main point of this passage?\n\n{text}"]
+
+
+def stdlib_entries(limit: int, rng: random.Random) -> list:
+    """(module, name, first paragraph of its docstring) for public functions and classes of the standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    rng.shuffle(files)
+    out = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
+                if 40 <= len(doc) <= 600:
+                    out.append((path.stem, node.name, doc))
+        if len(out) >= 4 * limit:
+            break
+    return out
+
+
+def make_prompts(count: int, texts: list, seed: int) -> list:
+    rng = random.Random(seed)
+    prompts = []
+    paragraphs = [p.strip() for t in texts for p in t.split("\n\n") if 80 <= len(p.strip()) <= 1500]
+    share = count // 2 if paragraphs else 0
+    for _ in range(share):
+        prompts.append(rng.choice(TEXT_TEMPLATES).format(text=rng.choice(paragraphs)))
+    entries = stdlib_entries(count - share, rng)
+    if not entries and count > share:
+        raise UserError("found no standard-library sources to make prompts from: pass `--text FILE`")
+    for _ in range(count - share):
+        module, name, doc = rng.choice(entries)
+        prompts.append(rng.choice(TEMPLATES).format(module=module, name=name, doc=doc))
+    rng.shuffle(prompts)
+    return prompts
+
+
+# ----------------------------------------------------------------------------- phases
+
+def distill(generator, prompts: list, path: Path, max_new_tokens: int, batch_size: int, chat: bool, seed: int):
+    """The target's own answers, batch by batch, appended to `path` (resumable): {"prompt_ids", "answers"}."""
+    import torch
+    from tqdm import tqdm
+    from decode import Sampling
+    done = torch.load(path, weights_only=True) if path.exists() else {"prompt_ids": [], "answers": []}
+    ids = [generator.encode(p, chat=chat) for p in prompts]
+    ids = [i[-(generator.model.args.block_size - max_new_tokens - generator.lookahead - 1):] for i in ids]
+    generator.reserve(batch_size, max(map(len, ids)) + max_new_tokens)  # one cache size: one compiled graph
+    start = len(done["answers"])
+    bar = tqdm(total=len(ids), initial=start, desc="distilling answers", unit="prompt")
+    for i in range(start, len(ids), batch_size):
+        batch = ids[i:i + batch_size]
+        torch.manual_seed(seed + i)
+        # half of the batches greedy, half sampled: the head serves both
+        sampling = Sampling(0.0) if (i // batch_size) % 2 == 0 else Sampling(0.7, top_k=50)
+        padded = batch + batch[-1:] * (batch_size - len(batch))  # the batch size the graph was built for
+        rows, _ = generator.generate(padded, max_new_tokens, sampling)
+        rows = rows[:len(batch)]
+        done["prompt_ids"] += batch
+        done["answers"] += [list(r) for r in rows]
+        write_atomically(path, lambda tmp: torch.save(done, tmp))
+        bar.update(len(batch))
+    bar.close()
+    return done
+
+
+def features(model, layers: tuple, data: dict, path: Path, top_k: int):
+    """The target's features [n, F] (bf16) and top-k next-token ids / probabilities at every position of every
+    conversation; one eager forward each."""
+    import torch
+    from tqdm import tqdm
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    seqs = [p + a for p, a in zip(data["prompt_ids"], data["answers"])]
+    out = {"tokens": [], "prompt_len": [], "features": [], "top_ids": [], "top_probs": []}
+    model.setup_caches(1, max(map(len, seqs)) + 1)
+    with torch.no_grad():
+        for seq, prompt in tqdm(list(zip(seqs, data["prompt_ids"])), desc="target features", unit="conversation"):
+            x = torch.tensor([seq])
+            logits, feats = model.forward_features(x, torch.arange(len(seq)).view(1, -1), layers=layers)
+            top = torch.topk(torch.softmax(logits[0].float(), -1), top_k, dim=-1)
+            out["tokens"].append(torch.tensor(seq, dtype=torch.int32))
+            out["prompt_len"].append(len(prompt))
+            out["features"].append(feats[0].to(torch.bfloat16))
+            out["top_ids"].append(top.indices.to(torch.int32))
+            out["top_probs"].append(top.values.to(torch.float16))
+    write_atomically(path, lambda tmp: torch.save(out, tmp))
+    return out
+
+
+def draft_vocabulary(data: dict, size: int, vocab_size: int):
+    """The `size` tokens the target predicts most often (its answers' tokens and top-k choices), ascending ids."""
+    import torch
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for tokens, n, ids, probs in zip(data["tokens"], data["prompt_len"], data["top_ids"], data["top_probs"]):
+        counts.index_add_(0, tokens[n:].long(), torch.ones(len(tokens) - n, dtype=torch.float64))
+        counts.index_add_(0, ids[n - 1:].flatten().long(), probs[n - 1:].flatten().double())
+    return torch.topk(counts, min(size, vocab_size)).indices.sort().values
+
+
+# ----------------------------------------------------------------------------- training-time test
+
+def ttt_loss(head, batch: dict, steps: int, decay: float = 0.8):
+    """EAGLE-3's training-time test on a padded batch; returns (loss, top-1 hits per step, counted positions per
+    step). Entry p (p >= 1) holds (features of p - 1, token p); its output predicts token p + 1."""
+    import torch
+    import torch.nn.functional as F
+    from model import apply_rope
+    tokens, feats, labels, label_p, live = (batch[k] for k in ("tokens", "features", "labels", "label_probs", "live"))
+    B, T = tokens.shape
+    attn = head.attention
+    n_q, n_kv, hd = attn.n_head, attn.n_local_heads, attn.head_dim
+    pos = torch.arange(T)
+    rope = head.rope_table[pos].unsqueeze(0).expand(B, T, -1, -1)
+    emb = head.input_norm(head.embeddings(tokens))  # [B, T, dim]
+    # step 1's input at p: the target's features at p - 1 (slot 0: nothing)
+    hidden = F.pad(head.fuse(feats.float())[:, :-1], (0, 0, 1, 0))  # [B, T, dim]
+    keys, values = [], []
+    total, hits, counted = 0.0, [], []
+    for s in range(1, steps + 1):
+        x = torch.cat([emb, head.hidden_norm(hidden)], -1)
+        q, k, v = attn.wqkv(x).split([n_q * hd, n_kv * hd, n_kv * hd], dim=-1)
+        q = apply_rope(q.view(B, T, n_q, hd), rope).transpose(1, 2)  # [B, n_q, T, hd]
+        keys.append(apply_rope(k.view(B, T, n_kv, hd), rope).transpose(1, 2))  # [B, n_kv, T, hd]
+        values.append(v.view(B, T, n_kv, hd).transpose(1, 2))
+        # query p of step s: step 1's entries 1 .. p - s + 1 (the root), then step t's entry p - s + t, t = 2 .. s
+        j = pos.view(1, -1)
+        blocks = [(j >= 1) & (j <= pos.view(-1, 1) - s + 1)]
+        blocks += [j == pos.view(-1, 1) - s + t for t in range(2, s + 1)]
+        mask = torch.cat(blocks, 1)  # [T, s * T]
+        K = torch.cat(keys, 2).repeat_interleave(n_q // n_kv, 1)
+        V = torch.cat(values, 2).repeat_interleave(n_q // n_kv, 1)
+        rows_ok = mask.any(1)
+        y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask | ~rows_ok.view(-1, 1))
+        y = y.transpose(1, 2).reshape(B, T, n_q * hd)
+        h = hidden + attn.wo(y)
+        h = h + head.feed_forward(head.post_norm(h))
+        logits = head.logits(h).float()  # [B, T, Vd]
+        # counted: the chain's root p - s + 1 is a generated token (>= the prompt's length) and the label exists
+        use = live & (pos.view(1, -1) - s + 1 >= batch["prompt_len"].view(-1, 1)) & rows_ok.view(1, -1)
+        logp = torch.log_softmax(logits, -1)
+        ce = -(label_p * logp.gather(-1, labels.clamp_min(0))).sum(-1)  # labels -1 (outside the draft vocab): p 0
+        n = use.sum().clamp_min(1)
+        total = total + decay ** (s - 1) * (ce * use).sum() / n
+        hits.append(int(((logits.argmax(-1) == labels[..., 0]) & use).sum()))
+        counted.append(int(use.sum()))
+        hidden = F.pad(h[:, :-1], (0, 0, 1, 0))  # step s + 1 at p reads step s's output at p - 1
+    return total, hits, counted
+
+
+def make_batches(data: dict, to_draft, order: list, batch_size: int, max_len: int):
+    """Padded training batches of the conversations in `order`: labels mapped to draft ids (-1: not drafted)."""
+    import torch
+    for i in range(0, len(order), batch_size):
+        idx = order[i:i + batch_size]
+        T = min(max_len, max(len(data["tokens"][j]) for j in idx))
+        B, F_ = len(idx), data["features"][0].shape[-1]
+        k = data["top_ids"][0].shape[-1]
+        batch = {"tokens": torch.zeros(B, T, dtype=torch.long), "features": torch.zeros(B, T, F_, dtype=torch.bfloat16),
+                 "labels": torch.full((B, T, k), -1, dtype=torch.long), "label_probs": torch.zeros(B, T, k),
+                 "live": torch.zeros(B, T, dtype=torch.bool), "prompt_len": torch.zeros(B, dtype=torch.long)}
+        for r, j in enumerate(idx):
+            n = min(T, len(data["tokens"][j]))
+            batch["tokens"][r, :n] = data["tokens"][j][:n].long()
+            batch["features"][r, :n] = data["features"][j][:n]
+            labels = to_draft[data["top_ids"][j][:n].long()]
+            probs = data["top_probs"][j][:n].float() * (labels >= 0)
+            batch["labels"][r, :n] = labels
+            batch["label_probs"][r, :n] = probs / probs.sum(-1, keepdim=True).clamp_min(1e-9)
+            batch["live"][r, 1:n] = True  # entry 0 holds no features
+            batch["prompt_len"][r] = data["prompt_len"][j]
+        yield batch
+
+
+def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
+    import torch
+    from tqdm import tqdm
+    import drafthead
+    head_args = drafthead.HeadArgs.for_target(target, len(vocab))
+    head = drafthead.DraftHead(head_args).attach(target)
+    torch.manual_seed(args.seed)
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    with torch.no_grad():  # start from the target's own output layer on the draft vocabulary
+        head.output.weight.copy_(target.output.weight[vocab].float())
+        head.norm.weight.copy_(target.norm.weight.float())
+        head.token_ids.copy_(vocab)
+    head.setup_caches(1, max(len(t) for t in data["tokens"]) + 1)
+    to_draft = torch.full((target.args.vocab_size,), -1, dtype=torch.long)
+    to_draft[vocab] = torch.arange(len(vocab))
+    conversations = list(range(len(data["tokens"])))
+    random.Random(args.seed).shuffle(conversations)
+    held = conversations[:max(1, len(conversations) // 20)]
+    train_set = conversations[len(held):]
+    per_epoch = math.ceil(len(train_set) / args.train_batch)
+    total_steps = int(per_epoch * args.epochs)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    state_path = work / "state.pt"
+    step, seconds, losses = 0, 0.0, []
+    if state_path.exists():
+        saved = torch.load(state_path, weights_only=True)
+        head.load_state_dict(saved["head"])
+        opt.load_state_dict(saved["optimizer"])
+        step, seconds, losses = saved["step"], saved["seconds"], saved.get("losses", [])
+    warmup = min(100, total_steps // 10 + 1)
+    bar = tqdm(total=total_steps, initial=step, desc="training the head", unit="batch")
+    last_save, started = time.perf_counter(), time.perf_counter() - seconds
+    while step < total_steps and time.perf_counter() - started < args.max_minutes * 60:
+        epoch, within = divmod(step, per_epoch)
+        order = train_set[:]
+        random.Random(args.seed + epoch).shuffle(order)
+        batch = next(make_batches(data, to_draft, order[within * args.train_batch:], args.train_batch, args.max_len))
+        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss, hits, counted = ttt_loss(head, batch, args.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{hits[0] / max(counted[0], 1):.2f}")
+        if time.perf_counter() - last_save > 120 or step == total_steps:
+            state = {"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                     "seconds": time.perf_counter() - started, "losses": losses}
+            write_atomically(state_path, lambda tmp: torch.save(state, tmp))
+            last_save = time.perf_counter()
+    bar.close()
+    head.eval()
+    with torch.no_grad():
+        hits, counted = [0] * args.ttt_steps, [0] * args.ttt_steps
+        for batch in make_batches(data, to_draft, held, args.train_batch, args.max_len):
+            _, h, c = ttt_loss(head, batch, args.ttt_steps)
+            hits = [a + b for a, b in zip(hits, h)]
+            counted = [a + b for a, b in zip(counted, c)]
+    accuracy = [h / max(c, 1) for h, c in zip(hits, counted)]
+    tenth = max(1, len(losses) // 10)
+    return head, {"steps": step, "epochs": step / per_epoch, "train_seconds": time.perf_counter() - started,
+                  "loss_first_tenth": sum(losses[:tenth]) / tenth, "loss_last_tenth": sum(losses[-tenth:]) / tenth,
+                  "heldout_top1_per_depth": accuracy, "heldout_conversations": len(held)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint_path", type=Path, required=True, help="the target checkpoint (model.pth)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the head (config.json, "
+                                                                "model.safetensors) and its work files")
+    parser.add_argument("--text", type=Path, action="append", default=[], help="more text to make prompts from")
+    parser.add_argument("--prompts", type=int, default=480, help="conversations to distill")
+    parser.add_argument("--max_new_tokens", type=int, default=160, help="length of each distilled answer")
+    parser.add_argument("--batch_size", type=int, default=16, help="rows of the batched engine while distilling")
+    parser.add_argument("--compile", default="auto", help="compile mode of the distilling engine")
+    parser.add_argument("--draft_vocab", type=int, default=8192, help="tokens the head can draft (FR-Spec)")
+    parser.add_argument("--top_k", type=int, default=8, help="target probabilities kept per position")
+    parser.add_argument("--ttt_steps", type=int, default=3, help="training-time-test depth")
+    parser.add_argument("--epochs", type=float, default=4)
+    parser.add_argument("--train_batch", type=int, default=8, help="conversations per training step")
+    parser.add_argument("--max_len", type=int, default=512, help="positions per conversation in training")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--max_minutes", type=float, default=30.0, help="stop training (and save) after this")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name in ("prompts", "max_new_tokens", "batch_size", "draft_vocab", "top_k", "ttt_steps", "train_batch",
+                 "max_len"):
+        if getattr(args, name) < 1:
+            raise UserError(f"`{name}` must be >= 1")
+    if not args.checkpoint_path.is_file():
+        raise UserError(f"no checkpoint at {args.checkpoint_path}: convert or download one first")
+    texts = []
+    for path in args.text:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read `text` {path} ({e}): pass a UTF-8 text file") from None
+    import torch
+    import drafthead
+    from generation import Generator
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    work = args.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    generator = Generator.build(args.checkpoint_path, compile=args.compile, batch_size=args.batch_size)
+    chat = generator.tokenizer.chat_template is not None  # answers as the target gives them in a chat
+    prompts = make_prompts(args.prompts, texts, args.seed)
+    data = distill(generator, prompts, work / "answers.pt", args.max_new_tokens, args.batch_size, chat, args.seed)
+    distilled = time.perf_counter()
+    target = generator.model
+    layers = drafthead.HeadArgs.for_target(target, 1).target_layers
+    data = features(target, layers, data, work / "features.pt", args.top_k)
+    vocab = draft_vocabulary(data, args.draft_vocab, target.args.vocab_size)
+    featured = time.perf_counter()
+    head, stats = train(target, data, vocab, args.out, work, args)
+    answer_tokens = sum(len(t) - n for t, n in zip(data["tokens"], data["prompt_len"]))
+    stats.update({"target": str(args.checkpoint_path), "conversations": len(data["tokens"]),
+                  "answer_tokens": answer_tokens, "draft_vocab": len(vocab), "ttt_steps": args.ttt_steps,
+                  "distill_seconds": distilled - started, "feature_seconds": featured - distilled,
+                  "total_seconds": time.perf_counter() - started})
+    head.args.trained_for = {k: stats[k] for k in ("target", "conversations", "answer_tokens", "steps")}
+    drafthead.save_head(head, args.out)
+    write_atomically(args.out / "train_stats.json", lambda tmp: tmp.write_text(json.dumps(stats, indent=1) + "\n"))
+    print(f"wrote {args.out} in {stats['total_seconds'] / 60:.1f} min: {answer_tokens} distilled answer tokens, "
+          f"held-out top-1 per depth " + ", ".join(f"{a:.2f}" for a in stats["heldout_top1_per_depth"]))
+    return stats
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,292 @@
+"""Draft heads (drafthead.py, scripts/train_draft_head.py): greedy output identical to plain decoding, sampling lossless
+(chi-square against the target's exact distribution, and a broken variant the same test rejects), EAGLE-3's published
+format read as its reference computes it, one-line errors, and a head trained in seconds that drafts better than an
+untrained one."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import drafthead
+import generation
+import speculate
+from decode import Engine, Sampling, logits_to_probs
+from drafthead import DraftHead, HeadArgs, HeadDrafter, load_head, save_head
+from errors import UserError
+from helpers import REJECT_BELOW, chi_square_pvalue, load_cli
+from model import ModelArgs, Transformer
+
+
+def random_head(model: Transformer, draft_vocab: int, seed: int = 0, scale: float = 0.1) -> DraftHead:
+    head = DraftHead(HeadArgs.for_target(model, draft_vocab)).attach(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if p.dim() == 1 else 0.0))
+        head.token_ids.copy_(torch.randperm(model.args.vocab_size, generator=g)[:draft_vocab].sort().values)
+    return head
+
+
+@pytest.fixture(scope="module")
+def head_dir(random_target, tmp_path_factory):
+    model = generation.load_model(random_target)
+    directory = tmp_path_factory.mktemp("head")
+    save_head(random_head(model, 300), directory)
+    return directory
+
+
+PROMPTS = ["def main(", "Hello, my name is", "import os\nimport sys\n\nclass Parser:"]
+
+
+@pytest.mark.parametrize("k,nodes,mode", [(1, None, "none"), (4, None, "none"), (3, 10, "none"),
+                                         (3, None, "regional")])
+def test_greedy_identical_to_plain(random_target, head_dir, k, nodes, mode):
+    plain = generation.Generator.build(random_target)
+    head = generation.Generator.build(random_target, draft_head=head_dir, speculation=generation.Speculation(k, nodes),
+                                      compile=mode)
+    prompts = [plain.encode(p) for p in PROMPTS]
+    for prompt in prompts[:2]:  # one row
+        assert head.generate(prompt, 24, Sampling(0))[0] == plain.generate(prompt, 24, Sampling(0))[0]
+    rows, stats = head.generate(prompts, 24, Sampling(0))  # rows of different lengths in one batch
+    expected = plain.generate(prompts, 24, Sampling(0))[0]
+    assert rows == expected
+    assert stats["target_forwards"] <= 24 and stats["drafted"] > 0
+    plain.eos_ids = head.eos_ids = [expected[0][4]]  # the first row stops early, the others go on
+    assert head.generate(prompts, 24, Sampling(0))[0] == plain.generate(prompts, 24, Sampling(0))[0]
+
+
+def test_head_files_round_trip(random_target, head_dir):
+    model = generation.load_model(random_target)
+    head = load_head(head_dir, model)
+    again = load_head(head_dir / "model.safetensors", model)  # the file itself works too
+    for (name, a), b in zip(head.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.args.target_layers)
+
+
+# ----------------------------------------------------------------------------- EAGLE-3's format, as published
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def eagle3_reference(t: dict, cfg: dict, embed: torch.Tensor, features, tokens, positions):
+    """EAGLE-3's draft layer written from its published description, in Hugging Face's conventions (separate q/k/v,
+    rotate-half RoPE): logits over the draft vocabulary for entries attending causally to each other."""
+    d, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, eps = d // nh, cfg["rms_norm_eps"]
+
+    def norm(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    h = features @ t["fc.weight"].T  # [T, d]
+    x = torch.cat([norm(embed[tokens], t["midlayer.input_layernorm.weight"]),
+                   norm(h, t["midlayer.hidden_norm.weight"])], -1)
+    q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(-1, nh, hd).transpose(0, 1)
+    k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(-1, nkv, hd).transpose(0, 1)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(-1, nkv, hd).transpose(0, 1)
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+    angles = torch.outer(positions.float(), inv)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(len(tokens), -1)
+    h = h + y @ t["midlayer.self_attn.o_proj.weight"].T
+    m = norm(h, t["midlayer.post_attention_layernorm.weight"])
+    h = h + (F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)) \
+        @ t["midlayer.mlp.down_proj.weight"].T
+    return norm(h, t["norm.weight"]) @ t["lm_head.weight"].T
+
+
+def write_eagle3_head(directory, model: Transformer, draft_vocab: int, seed: int = 0):
+    """An EAGLE-3 head as its published checkpoints hold it: bf16 tensors, d2t offsets, t2d, config.json."""
+    from safetensors.torch import save_file
+    a = model.args
+    d, nh, nkv, hd, inter = a.dim, a.n_head, a.n_local_heads, a.head_dim, a.intermediate_size
+    layers = [0, a.n_layer - 1]
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, base=0.0):
+        return (base + 0.2 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+    ids = torch.randperm(a.vocab_size, generator=g)[:draft_vocab].sort().values
+    t = {"fc.weight": r(d, len(layers) * d), "midlayer.input_layernorm.weight": r(d, base=1.0),
+         "midlayer.hidden_norm.weight": r(d, base=1.0), "midlayer.self_attn.q_proj.weight": r(nh * hd, 2 * d),
+         "midlayer.self_attn.k_proj.weight": r(nkv * hd, 2 * d), "midlayer.self_attn.v_proj.weight": r(nkv * hd, 2 * d),
+         "midlayer.self_attn.o_proj.weight": r(d, nh * hd), "midlayer.post_attention_layernorm.weight": r(d, base=1.0),
+         "midlayer.mlp.gate_proj.weight": r(inter, d), "midlayer.mlp.up_proj.weight": r(inter, d),
+         "midlayer.mlp.down_proj.weight": r(d, inter), "norm.weight": r(d, base=1.0),
+         "lm_head.weight": r(draft_vocab, d), "d2t": ids - torch.arange(draft_vocab),
+         "t2d": torch.zeros(a.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)}
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": d, "num_attention_heads": nh,
+           "num_key_value_heads": nkv, "intermediate_size": inter, "vocab_size": a.vocab_size,
+           "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers}, "torch_dtype": "bfloat16"}
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in t.items()}, cfg, ids
+
+
+def test_reads_eagle3_heads_as_published(random_target, tmp_path):
+    model = generation.load_model(random_target)
+    tensors, cfg, ids = write_eagle3_head(tmp_path / "eagle3", model, 128)
+    head = load_head(tmp_path / "eagle3", model)
+    assert head.args.target_layers == (0, model.args.n_layer - 1) and torch.equal(head.token_ids, ids)
+    T = 9
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(T, 2 * model.args.dim, generator=g)
+    tokens = torch.randint(0, model.args.vocab_size, (T,), generator=g)
+    expected = eagle3_reference(tensors, cfg, model.tok_embeddings.weight.detach(), features, tokens,
+                                torch.arange(T))
+    head.setup_caches(1, 32)
+    slots = torch.arange(1, T + 1).view(1, -1)  # entries start at slot 1; RoPE is relative, so the offset is free
+    got = head.logits(head(head.fuse(features).unsqueeze(0), tokens.view(1, -1), slots))[0]
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    # and it drafts: greedy output identical with it, as with any drafter
+    plain = generation.Generator.build(random_target)
+    with_head = generation.Generator.build(random_target, draft_head=tmp_path / "eagle3")
+    prompt = plain.encode(PROMPTS[0])
+    assert with_head.generate(prompt, 20, Sampling(0))[0] == plain.generate(prompt, 20, Sampling(0))[0]
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda t, c: c.update(hidden_size=c["hidden_size"] * 2), "hidden_size"),
+    (lambda t, c: c.update(vocab_size=7), "vocab_size"),
+    (lambda t, c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 99]}), "layer"),
+    (lambda t, c: t.pop("midlayer.mlp.up_proj.weight"), "midlayer.mlp.up_proj.weight"),
+    (lambda t, c: t.update({"fc.weight": t["fc.weight"][:, :3]}), "fc.weight"),
+    (lambda t, c: t.update(d2t=t["d2t"] + 10**6), "d2t"),
+    (lambda t, c: t.update(d2t=-torch.arange(len(t["d2t"]))), "twice"),  # every draft id -> target id 0
+    (lambda t, c: "broken json", "config.json"),
+])
+def test_bad_heads_are_one_line(random_target, tmp_path, change, needle):
+    from safetensors.torch import save_file
+    model = generation.load_model(random_target)
+    tensors, cfg, _ = write_eagle3_head(tmp_path / "h", model, 64)
+    broken_json = change(tensors, cfg) == "broken json"
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(tmp_path / "h" / "model.safetensors"))
+    (tmp_path / "h" / "config.json").write_text("{" if broken_json else json.dumps(cfg))
+    with pytest.raises(UserError, match=needle):
+        load_head(tmp_path / "h", model)
+
+
+def test_cli_flags(random_target, head_dir, tmp_path):
+    cli = load_cli()
+    stats = tmp_path / "stats.json"
+    cli.main(["--checkpoint_path", str(random_target), "--draft_head", str(head_dir), "--prompt", "def f(",
+              "--max_new_tokens", "12", "--num_samples", "1", "--temperature", "0", "--speculate_k", "3",
+              "--stats_json", str(stats)])
+    written = json.loads(stats.read_text())
+    assert written["speculative"] == "head" and written["speculate_k"] == 3
+    for extra, needle in ((["--draft_head", str(tmp_path)], "--draft_head"),
+                          (["--draft_head", str(head_dir), "--draft_ngram", "3"], "--draft_ngram"),
+                          (["--draft_head", str(head_dir), "--draft_checkpoint_path", str(random_target)],
+                           "--draft_checkpoint_path")):
+        with pytest.raises(UserError, match=needle):
+            cli.main(["--checkpoint_path", str(random_target), "--prompt", "x", "--max_new_tokens", "3",
+                      "--num_samples", "1", *extra])
+
+
+# ----------------------------------------------------------------------------- sampling stays lossless
+
+VOCAB, PROMPT, DRAWS, ROWS = 24, [1, 5, 9, 3, 7], 3000, 500  # the broken variant scores < 1e-100 at this size
+
+
+def tiny_target():
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=16, n_layer=3, n_head=2, n_local_heads=1, intermediate_size=32,
+                                  vocab_size=VOCAB, block_size=64)).requires_grad_(False)
+    model.output.weight.mul_(3.0)
+    return model
+
+
+def exact(model, sampling):
+    """p(x1) and p(x1, x2) after PROMPT, by enumeration."""
+    seqs = torch.cat([torch.tensor(PROMPT).expand(VOCAB, -1), torch.arange(VOCAB).view(-1, 1)], 1)
+    model.setup_caches(VOCAB, seqs.shape[1])
+    logits = model(seqs, torch.arange(seqs.shape[1]).expand_as(seqs))
+    p1 = logits_to_probs(logits[0, -2], sampling).double()
+    p2 = logits_to_probs(logits[:, -1], sampling).double()
+    return p1, p1[:, None] * p2
+
+
+def head_draws(model, head, sampling, draws=DRAWS, tree_nodes=None):
+    speculator = speculate.Speculator(HeadDrafter(head, 2, tree_nodes))
+    engine = Engine(model, features=head.args.target_layers)
+    got = []
+    torch.manual_seed(0)
+    for _ in range(draws // ROWS):
+        rows, _ = generation.generate(engine, [PROMPT] * ROWS, 3, sampling, [], False, speculator=speculator)
+        got += [r[:2] for r in rows]
+    return torch.tensor(got)
+
+
+def pvalues(model, head, sampling, draws=DRAWS, tree_nodes=None):
+    p1, joint = exact(model, sampling)
+    got = head_draws(model, head, sampling, draws, tree_nodes)
+    return {"first": chi_square_pvalue(torch.bincount(got[:, 0], minlength=VOCAB), p1),
+            "pair": chi_square_pvalue(torch.bincount(got[:, 0] * VOCAB + got[:, 1], minlength=VOCAB ** 2),
+                                      joint.flatten())}
+
+
+@pytest.mark.parametrize("sampling,tree_nodes", [
+    (Sampling(1.0), None), pytest.param(Sampling(1.0), 6, marks=pytest.mark.slow),
+    pytest.param(Sampling(0.7, top_k=6), None, marks=pytest.mark.slow),
+    pytest.param(Sampling(1.3, top_p=0.8), 6, marks=pytest.mark.slow),
+    pytest.param(Sampling(0.7, top_k=6), 6, marks=pytest.mark.slow)],
+    ids=["T1-chain", "T1-tree", "T0.7-topk-chain", "T1.3-topp-tree", "T0.7-topk-tree"])
+def test_sampling_is_lossless(sampling, tree_nodes):
+    model = tiny_target()
+    head = random_head(model, 16, seed=3, scale=0.5)  # a draft vocabulary without a third of the target's tokens
+    values = pvalues(model, head, sampling, tree_nodes=tree_nodes)
+    assert min(values.values()) > REJECT_BELOW, values
+
+
+def test_chi_square_rejects_a_head_whose_proposal_is_misreported(monkeypatch):
+    """The same check on a broken drafter: it draws from q but reports q sharpened, so the rejection rule divides
+    by the wrong probabilities."""
+    real = drafthead.draft_distribution
+
+    def misreported(logits, ids, vocab_size, sampling):
+        token, q = real(logits, ids, vocab_size, sampling)
+        if q is not None:
+            q = q.pow(3)
+            q = q / q.sum(-1, keepdim=True)
+        return token, q
+    monkeypatch.setattr(drafthead, "draft_distribution", misreported)
+    model = tiny_target()
+    values = pvalues(model, random_head(model, 16, seed=3, scale=0.5), Sampling(1.0))
+    assert min(values.values()) < REJECT_BELOW, values
+
+
+# ----------------------------------------------------------------------------- training
+
+@pytest.mark.slow
+def test_training_makes_a_better_drafter(trained_pair, tmp_path):
+    """scripts/train_draft_head.py on the tiny trained target, in seconds: the loss falls, the trained head drafts
+    more accepted tokens than an untrained one, output stays identical; a second run resumes from its work files."""
+    import train_draft_head
+    target = trained_pair / "target" / "model.pth"
+    argv = ["--checkpoint_path", str(target), "--out", str(tmp_path / "head"), "--prompts", "48",
+            "--max_new_tokens", "40", "--batch_size", "8", "--compile", "none", "--epochs", "8", "--train_batch", "4",
+            "--draft_vocab", "256", "--lr", "3e-3"]
+    stats = train_draft_head.main(argv)
+    assert stats["loss_last_tenth"] < 0.7 * stats["loss_first_tenth"], stats
+    again = train_draft_head.main(argv)  # everything kept: nothing distilled or trained again
+    assert again["steps"] == stats["steps"] and again["distill_seconds"] < 5
+    plain = generation.Generator.build(target)
+    trained = generation.Generator.build(target, draft_head=tmp_path / "head")
+    untrained_dir = tmp_path / "untrained"
+    save_head(random_head(plain.model, 256, seed=5, scale=0.02), untrained_dir)
+    untrained = generation.Generator.build(target, draft_head=untrained_dir)
+    prompts = [plain.encode(text) for text in ("def parse_args(", "import sys\n", "class Config:\n    ")]
+    expected = plain.generate(prompts, 40, Sampling(0))[0]
+    rows, good = trained.generate(prompts, 40, Sampling(0))
+    assert rows == expected
+    rows, bad = untrained.generate(prompts, 40, Sampling(0))
+    assert rows == expected
+    assert good["tokens_per_target_forward"] > bad["tokens_per_target_forward"] + 0.3, (good, bad)
