@@ -7,8 +7,9 @@ Two rules keep that safe and correct:
   identity, the config, the dtypes and quantization scheme, the shapes, the compile options, the torch version, the
   CPU's vector ISA and thread count, and the source of the modules traced). Any difference means another key: the
   old artifact is never used and the new one replaces it.
-- Signed: the metadata holds an HMAC of the library's SHA-256 under a random key kept in the user's own cache
-  directory (0600). An artifact this user's machine did not build (copied in with a checkpoint, or written by
+- Signed: the metadata (NAME.meta.json) holds an HMAC of the library's SHA-256 (and of its operator table NAME.json,
+  which AOTInductor's runner reads beside the library to call custom operators) under a random key kept in the user's
+  own cache directory (0600). An artifact this user's machine did not build (copied in with a checkpoint, or written by
   someone else into a shared directory) has no valid signature and is rebuilt, never loaded.
 """
 import hashlib
@@ -89,7 +90,10 @@ def file_sha256(path) -> str:
 
 
 def signature(library, key: str) -> str:
-    return hmac.new(signing_key(), f"{key}:{file_sha256(library)}".encode(), hashlib.sha256).hexdigest()
+    """The HMAC of the library and of its operator table (if it has one)."""
+    table = Path(library).with_suffix(".json")
+    tables = file_sha256(table) if table.exists() else "-"
+    return hmac.new(signing_key(), f"{key}:{file_sha256(library)}:{tables}".encode(), hashlib.sha256).hexdigest()
 
 
 def directory_for(checkpoint_path) -> Path:
@@ -105,7 +109,7 @@ def directory_for(checkpoint_path) -> Path:
 def find(directory: Path, name: str, key: str):
     """The stored library `name` if it exists, was built for `key` and carries this user's signature: (path,
     None); else (None, why it cannot be used, or None when there is none)."""
-    library, meta_path = directory / f"{name}.so", directory / f"{name}.json"
+    library, meta_path = directory / f"{name}.so", directory / f"{name}.meta.json"
     if not library.exists() or not meta_path.exists():
         return None, None
     try:
@@ -120,26 +124,32 @@ def find(directory: Path, name: str, key: str):
 
 
 def store(directory: Path, name: str, key: str, fields: dict, build) -> Path:
-    """Build the library into a temp file beside its final name (`build(path)`), then publish it and its signed
-    metadata; other libraries of the same name stem (older keys) are removed. Returns the library's path."""
-    library, meta_path = directory / f"{name}.so", directory / f"{name}.json"
+    """Build the library into a temp file beside its final name (`build(path)`, which returns its operator table's
+    text or None), then publish them and the signed metadata; other libraries of the same name stem (older keys) are
+    removed. Returns the library's path."""
+    library, meta_path, table = directory / f"{name}.so", directory / f"{name}.meta.json", directory / f"{name}.json"
     start = time.perf_counter()
-    write_atomically(library, build)
+    built = {}
+    table.unlink(missing_ok=True)
+    write_atomically(library, lambda tmp: built.update(table=build(tmp)))
+    if built["table"] is not None:
+        write_atomically(table, lambda tmp: tmp.write_text(built["table"]))
     meta = {"key": key, "fields": fields, "build_seconds": round(time.perf_counter() - start, 1),
             "bytes": library.stat().st_size, "signature": signature(library, key)}
     write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=str)))
     stem = name.rsplit("-", 1)[0]
-    for old in directory.glob(f"{stem}-*.json"):
-        if old.stem != name:
-            old.with_suffix(".so").unlink(missing_ok=True)
-            old.unlink(missing_ok=True)
+    for old in directory.glob(f"{stem}-*.meta.json"):
+        old_name = old.name[:-len(".meta.json")]
+        if old_name != name:
+            for suffix in (".so", ".json", ".meta.json"):
+                (directory / f"{old_name}{suffix}").unlink(missing_ok=True)
     return library
 
 
 def build_seconds_estimate(directory: Path, n_layer: int):
     """Seconds a build will take, from earlier builds here (per layer), or None."""
     rates = []
-    for meta_path in directory.glob("*.json") if directory.exists() else []:
+    for meta_path in directory.glob("*.meta.json") if directory.exists() else []:
         try:
             meta = json.loads(meta_path.read_text())
             rates.append(meta["build_seconds"] / meta["fields"]["config"]["n_layer"])

@@ -326,7 +326,8 @@ class StoredForward:
                 "cache": [batch, cache_batch, length, str(model.layers[0].attention.kv_cache.k_cache.dtype)],
                 "device": self.device, "mode": self.mode, "options": self.options, "features": list(self.features),
                 "machine": artifacts.machine(),
-                "sources": artifacts.sources_digest(TRACED_MODULES)}
+                "sources": artifacts.sources_digest(TRACED_MODULES),
+                "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp"))}
 
     def load(self, batch: int, cache_batch: int, length: int):
         """(run, bind) of the stored graph for this shape: loaded if a valid one is stored, else built and stored."""
@@ -382,7 +383,9 @@ class StoredForward:
         return torch.zeros(batch, T, dtype=torch.long, device=self.device), pos, pos.clone(), mask
 
     def export(self, example, length: int, tmp: Path):
-        """Export the model for these shapes, compile it with AOTInductor, keep its one shared library at tmp."""
+        """Export the model for these shapes, compile it with AOTInductor, keep its one shared library at tmp;
+        returns its operator table (the package's wrapper .json: what the runner needs to call custom operators,
+        such as the a8 kernels), or None."""
         tokens = torch.export.Dim("tokens", min=1, max=length)
         with torch.no_grad():
             program = torch.export.export(ExportedForward(self.model, self.features), example, strict=False,
@@ -397,6 +400,8 @@ class StoredForward:
                         raise RuntimeError(f"the package holds {len(libraries)} shared libraries, not one")
                     with archive.open(libraries[0]) as source, open(tmp, "wb") as out:
                         shutil.copyfileobj(source, out, 1 << 24)
+                    tables = [n for n in archive.namelist() if n.endswith(".wrapper.json")]
+                    return archive.read(tables[0]).decode() if tables else None
             finally:
                 package.unlink(missing_ok=True)
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from decode import Sampling, logits_to_probs, sample_from, sdpa_context
-from draftmodel import sampled_candidates
+from draftmodel import sampled_candidates, tree_width
 from errors import UserError
 from model import Attention, FeedForward, KVCache, Linear, RMSNorm, Transformer, check_rope_scaling, precompute_rope
 from speculate import Tree
@@ -179,7 +179,7 @@ class DraftHead(nn.Module):
 # ----------------------------------------------------------------------------- EAGLE-3's checkpoint format
 
 def _halves_to_pairs(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    # Hugging Face rotates (i, i + head_dim/2), this model rotates interleaved pairs (2i, 2i+1): reorder each head's rows
+    # Hugging Face rotates (i, i + head_dim/2), this model interleaved pairs (2i, 2i+1): reorder each head's rows
     return w.reshape(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
 
 
@@ -190,7 +190,8 @@ def _pairs_to_halves(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
 NAMES = {"fc.weight": "fc.weight", "midlayer.input_layernorm.weight": "input_norm.weight",
          "midlayer.hidden_norm.weight": "hidden_norm.weight", "midlayer.self_attn.o_proj.weight": "attention.wo.weight",
          "midlayer.post_attention_layernorm.weight": "post_norm.weight",
-         "midlayer.mlp.gate_proj.weight": "feed_forward.w1.weight", "midlayer.mlp.up_proj.weight": "feed_forward.w3.weight",
+         "midlayer.mlp.gate_proj.weight": "feed_forward.w1.weight",
+         "midlayer.mlp.up_proj.weight": "feed_forward.w3.weight",
          "midlayer.mlp.down_proj.weight": "feed_forward.w2.weight", "norm.weight": "norm.weight",
          "lm_head.weight": "output.weight"}
 QKV = ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight")
@@ -295,12 +296,6 @@ def draft_distribution(logits: Tensor, ids: Tensor, vocab_size: int, sampling: S
     drawn = sample_from(q)
     full = q.new_zeros(q.shape[0], vocab_size).scatter_(1, ids.expand(q.shape[0], -1), q)
     return ids[drawn], full
-
-
-def tree_width(depth: int, nodes: int) -> int:
-    """Children per expanded node: 1 for a chain; else enough for `nodes` over `depth` levels, 4 to 8 (narrower trees
-    pick their nodes from too few candidates)."""
-    return 1 if nodes == depth else min(8, max(4, math.ceil(nodes / depth)))
 
 
 class HeadDrafter:
@@ -425,7 +420,8 @@ class HeadDrafter:
         return [self.select(tree, s, nodes) for tree, s in zip(trees, scores)]
 
     def frontier_mask(self, tree: Tree, frontier: list, pos: int, base: int) -> Tensor:
-        """[1, 1, width, S]: node j's entry (slot base + j) sees the real entries 1 .. pos, its ancestors' and its own."""
+        """[1, 1, width, S]: node j's entry (slot base + j) sees the real entries 1 .. pos, its ancestors' and its
+        own."""
         mask = torch.zeros(len(frontier), self.head.max_seq_length, dtype=torch.bool)
         mask[:, 1:pos + 1] = True
         for j, node in enumerate(frontier):

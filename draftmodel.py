@@ -16,6 +16,12 @@ GREEDY_RANK_TEMPERATURE = 0.3  # sharpens q when ranking tree nodes for greedy d
 MIN_TREE_WIDTH = 4
 
 
+def tree_width(depth: int, nodes: int) -> int:
+    """Children per expanded node: 1 for a chain; else enough for `nodes` over `depth` levels, from MIN_TREE_WIDTH to
+    8 (narrower trees pick their nodes from too few candidates)."""
+    return 1 if nodes == depth else min(8, max(MIN_TREE_WIDTH, math.ceil(nodes / depth)))
+
+
 def greedy_candidates(logits: Tensor, width: int):
     """The `width` largest logits of each row [rows, V]: ids, log q and log prior (q sharpened), each [rows, width]."""
     logits = logits.float()
@@ -243,7 +249,7 @@ class ModelDrafter:
         self.device = self.draft_model.tok_embeddings.weight.device
         self.lookup = Lookup(ngram) if ngram else None  # n-gram branches merged into the tree
         self.lookups = []  # one per row, sharing self.lookup's earlier samples
-        self.width = 1 if tree_nodes == depth else min(8, max(MIN_TREE_WIDTH, math.ceil(tree_nodes / depth)))
+        self.width = tree_width(depth, tree_nodes)
         self.lookahead = max(tree_nodes, (depth - 1) * self.width) + 2
         forward = engine.forward  # a regional engine's shared compiled block
         self.propose = engine.compile(draft_candidates) or functools.partial(draft_candidates, forward)

@@ -27,8 +27,8 @@ from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling,
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
 from model import ModelArgs, Transformer
-from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, auto_arms, Speculator, combine_stats, format_stats, non_finite_logits, \
-    same_vocabulary
+from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, Speculator, auto_arms, combine_stats, \
+    format_stats, non_finite_logits, same_vocabulary
 from tokenizer import get_tokenizer
 
 

@@ -144,13 +144,6 @@ def padded_inputs(in_features: int) -> int:
     return -(-in_features // A8_STEP) * A8_STEP
 
 
-def refuse_export():
-    """A stored AOTInductor graph calls these operators through its proxy executor, whose table (the package's
-    wrapper .json) decode.StoredForward does not keep beside the .so: refused, so that it compiles in-process."""
-    if torch.compiler.is_exporting():
-        raise RuntimeError("stored graphs cannot call the a8 kernels (their proxy-executor table is not stored)")
-
-
 class Int8A8Linear(Int8Linear):
     """int8-a8: Int8Linear's weights times the input quantized to 8 bits per block of 32 inputs (d = max|x| / 127),
     multiplied in integers: y = s * sum_b d_b * (q_w . q_x)_b. Off the CPU, or where kernels_a8.cpp cannot be built,
@@ -159,7 +152,6 @@ class Int8A8Linear(Int8Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed_for_cpu:
-            refuse_export()
             y = torch.ops.fastgen.a8_int8_linear(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight,
                                                  self.scales)
             return y.view(*x.shape[:-1], -1).to(x.dtype)
@@ -182,7 +174,6 @@ class Int4A8Linear(Int4Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.a8:
-            refuse_export()
             y = torch.ops.fastgen.a8_int4_linear(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight,
                                                  self.scales_and_zeros, self.groupsize)
             return y.view(*x.shape[:-1], -1).to(x.dtype)

@@ -301,9 +301,11 @@ class AutoChoice:
     - E(K, chain) = 1 + sum_i prod_{d <= i} a_d from each depth's acceptance rate a_d (decaying counts over the
       drafted chains: a chain of depth K also tells what any shorter one would have accepted); E(K, tree) from the
       tokens its own steps made, starting from an optimistic prior.
-    Plain decoding wins where no arm beats it; then every EXPLORE_EVERY plain steps one speculative step keeps the
-    estimates current. The choice depends only on the past, so every step stays lossless."""
-    EXPLORE_EVERY = 8
+    Plain decoding wins where no arm beats it; then one speculative step after EXPLORE_EVERY plain steps keeps the
+    estimates current, the interval doubling (up to MAX_EXPLORE_EVERY) while plain decoding keeps winning, so a
+    drafter that never pays costs a vanishing share of the steps. The choice depends only on the past, so every step
+    stays lossless."""
+    EXPLORE_EVERY, MAX_EXPLORE_EVERY = 8, 256
     PRIOR = 0.6  # the prior acceptance rate of a drafted node, worth PRIOR_WEIGHT observations
     PRIOR_WEIGHT = 2.0
     DECAY = 0.98  # per observation: acceptance drifts with the text
@@ -317,7 +319,7 @@ class AutoChoice:
         self.tree_tokens = {}  # arm -> [decayed tokens per row-step, decayed steps]
         self.verify_seconds = {}  # (batch, width) -> seconds
         self.draft_seconds = {}  # arm -> seconds (the whole batch's draft)
-        self.plain_streak = 0
+        self.plain_streak, self.explore_every = 0, self.EXPLORE_EVERY
 
     def expected(self, arm) -> float:
         """Expected tokens per row and step."""
@@ -361,9 +363,12 @@ class AutoChoice:
         rate = {arm: self.expected(arm) / max(self.draft_cost(arm) + self.verify_cost(batch, arm[1] + 1), 1e-9)
                 for arm in self.arms}
         best = max(self.arms, key=lambda arm: (rate[arm], -arm[1], -arm[0]))
-        if plain > 0 and 1.0 / plain >= rate[best] and self.plain_streak < self.EXPLORE_EVERY:
+        plain_wins = plain > 0 and 1.0 / plain >= rate[best]
+        if plain_wins and self.plain_streak < self.explore_every:
             self.plain_streak += 1
             return None
+        # exploring (plain still wins: wait longer next time), or speculating because it wins
+        self.explore_every = min(2 * self.explore_every, self.MAX_EXPLORE_EVERY) if plain_wins else self.EXPLORE_EVERY
         self.plain_streak = 0
         return best
 

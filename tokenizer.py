@@ -85,6 +85,9 @@ class Tokenizer:
             if isinstance(template, str):
                 self.chat_template = template
                 self.chat_template_source = str(directory / "tokenizer_config.json")
+            elif template is not None:  # a number, an object, a list without a "default" template: not a template
+                raise UserError(f"{directory / 'tokenizer_config.json'}: 'chat_template' is neither a template string "
+                                f"nor a list of named templates with a 'default': re-download the tokenizer files")
 
     def encode(self, text: str) -> list:
         return self.processor.encode(text, add_special_tokens=False).ids

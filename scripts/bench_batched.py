@@ -179,7 +179,7 @@ def main(argv=None):
             row = {"batch": batch, "config": name, "tokens_per_sec": tps, "vs_plain": tps / plain_tps,
                    "vs_transformers": tps / hf_tps if hf_tps else None,
                    "tokens_per_target_forward": stats.get("tokens_per_target_forward"),
-                   "fell_back_to_plain": "plain_after_forwards" in stats if name == "chain K=auto" else None}
+                   "plain_steps": stats.get("plain_steps") if name == "chain K=auto" else None}
             if args.temperature == 0:
                 row["same_as_plain"] = out == plain_rows
             rows.append(row)
@@ -189,7 +189,7 @@ def main(argv=None):
         print(f"B={batch}: " + ", ".join(f"{r['config']} {r['tokens_per_sec']:.1f}" for r in rows
                                          if r["batch"] == batch), flush=True)
     columns = ["batch", "config", "tokens_per_sec", "vs_plain", "vs_transformers", "tokens_per_target_forward",
-               "fell_back_to_plain", "same_as_plain"]
+               "plain_steps", "same_as_plain"]
     print()
     benchlib.print_table(rows, columns)
     benchlib.write_json(args.json or ROOT / "bench_results/batched.json",

@@ -184,7 +184,8 @@ def llama3_scaling(args: ModelArgs, rope_freqs, meta: dict, path: Path) -> dict:
     Hugging Face parameters, which are Meta's (low 1, high 4, 8192 positions) but for the factor."""
     divisors = dequantize(rope_freqs, torch.float32)  # [head_dim // 2]
     scaling = {"rope_type": "llama3", "factor": divisors.max().item(), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": count(path, meta, "llama.rope.scaling.original_context_length", 8192)}
+               "original_max_position_embeddings": count(path, meta, "llama.rope.scaling.original_context_length",
+                                                         8192)}
     # the divisors these parameters give: 1 for short wavelengths, `factor` for long ones, a blend between
     inv_freq = 1.0 / args.rope_base ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
     smooth = (scaling["original_max_position_embeddings"] * inv_freq / (2 * torch.pi) - 1.0) / (4.0 - 1.0)

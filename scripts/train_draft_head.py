@@ -4,8 +4,9 @@
         --out checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/head
     python generate.py --compile --checkpoint_path .../model.pth --draft_head .../head --chat --prompt "..."
 
-1. Prompts from text that ships offline: questions about the Python standard library's own modules and docstrings
-   (parsed from its sources, not imported), and paragraphs of --text FILE (repeatable) to summarize or continue.
+1. Prompts: questions the target writes itself about a list of everyday subjects (self-instruct: as varied as what
+   users ask), questions about the Python standard library's own modules and docstrings (parsed from its sources,
+   not imported), and paragraphs of --text FILE (repeatable) to summarize or continue.
 2. Self-distillation (EAGLE, HASS): the target answers them itself through the batched engine, greedily and at
    temperature 0.7, in its chat template, so the head learns what the target says, not what a dataset says.
 3. One eager pass of the target over every conversation keeps its features (inputs of a low, a middle and a high
@@ -35,6 +36,17 @@ TEMPLATES = ["What does the Python function `{name}` in the `{module}` module do
              "Write a small Python program that uses `{module}.{name}`.",
              "When would I use the `{module}` module in Python? Answer briefly.",
              "{doc}\n\nSummarize this in one or two sentences."]
+SUBJECTS = ["science", "history", "cooking", "health", "travel", "money and budgeting", "writing", "music", "sports",
+            "mathematics", "programming", "nature", "animals", "space", "geography", "art", "movies", "books",
+            "learning a language", "careers and work", "relationships", "the human body", "technology", "physics",
+            "chemistry", "biology", "economics", "law", "politics", "philosophy", "psychology", "gardening",
+            "home repair", "cars", "the environment", "energy", "food and nutrition", "fitness", "education",
+            "parenting", "pets", "photography", "fashion", "games", "the ocean", "inventions", "famous people",
+            "holidays and traditions", "the internet", "computers", "statistics", "business", "marketing",
+            "poetry", "storytelling", "emails and letters", "time management", "the weather", "cities", "agriculture"]
+ASKS = ["a question", "a short question", "a request for advice", "a request to write something short",
+        "a how-to question", "a request to explain something", "a question that needs a list in the answer"]
+QUESTION_PROMPT = "Write {ask} that a person might ask an AI assistant about {subject}. Write only the question itself."
 TEXT_TEMPLATES = ["Summarize the following text:\n\n{text}", "Continue this text:\n\n{text}",
                   "What is the main point of this passage?\n\n{text}"]
 
@@ -60,9 +72,29 @@ def stdlib_entries(limit: int, rng: random.Random) -> list:
     return out
 
 
-def make_prompts(count: int, texts: list, seed: int) -> list:
+def ask_questions(generator, count: int, path: Path, batch_size: int, chat: bool, seed: int) -> list:
+    """`count` questions written by the target itself (sampled), kept in `path`."""
+    if path.exists():
+        return json.loads(path.read_text())
+    from decode import Sampling
+    rng = random.Random(seed + 1)
+    asks = [QUESTION_PROMPT.format(ask=rng.choice(ASKS), subject=rng.choice(SUBJECTS)) for _ in range(2 * count)]
+    data = answer(generator, asks, None, 48, batch_size, chat, seed, sampled=lambda i: Sampling(1.0, top_k=50))
+    questions = []
+    for row in data["answers"]:
+        row = [t for t in row if t not in generator.eos_ids]  # the end of turn is not part of the question
+        text = generator.tokenizer.decode(row).strip().split("\n")[0].strip().strip('"').strip()
+        if 15 <= len(text) <= 300 and text not in questions:
+            questions.append(text)
+    questions = questions[:count]
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(questions, indent=0)))
+    return questions
+
+
+def make_prompts(count: int, texts: list, seed: int, questions: list) -> list:
     rng = random.Random(seed)
-    prompts = []
+    prompts = list(questions)
+    count -= len(prompts)
     paragraphs = [p.strip() for t in texts for p in t.split("\n\n") if 80 <= len(p.strip()) <= 1500]
     share = count // 2 if paragraphs else 0
     for _ in range(share):
@@ -79,28 +111,33 @@ def make_prompts(count: int, texts: list, seed: int) -> list:
 
 # ----------------------------------------------------------------------------- phases
 
-def distill(generator, prompts: list, path: Path, max_new_tokens: int, batch_size: int, chat: bool, seed: int):
-    """The target's own answers, batch by batch, appended to `path` (resumable): {"prompt_ids", "answers"}."""
+def answer(generator, prompts: list, path, max_new_tokens: int, batch_size: int, chat: bool, seed: int,
+           sampled=None):
+    """The target's own answers, batch by batch, appended to `path` (resumable; None: not kept):
+    {"prompt_ids", "answers"}. Half of the batches greedy, half at T = 0.7 (or sampled(i) for every batch)."""
     import torch
     from tqdm import tqdm
     from decode import Sampling
-    done = torch.load(path, weights_only=True) if path.exists() else {"prompt_ids": [], "answers": []}
+    done = torch.load(path, weights_only=True) if path and path.exists() else {"prompt_ids": [], "answers": []}
     ids = [generator.encode(p, chat=chat) for p in prompts]
     ids = [i[-(generator.model.args.block_size - max_new_tokens - generator.lookahead - 1):] for i in ids]
     generator.reserve(batch_size, max(map(len, ids)) + max_new_tokens)  # one cache size: one compiled graph
     start = len(done["answers"])
-    bar = tqdm(total=len(ids), initial=start, desc="distilling answers", unit="prompt")
+    bar = tqdm(total=len(ids), initial=start, desc="distilling answers" if path else "writing questions",
+               unit="prompt")
     for i in range(start, len(ids), batch_size):
         batch = ids[i:i + batch_size]
         torch.manual_seed(seed + i)
         # half of the batches greedy, half sampled: the head serves both
         sampling = Sampling(0.0) if (i // batch_size) % 2 == 0 else Sampling(0.7, top_k=50)
+        sampling = sampled(i) if sampled else sampling
         padded = batch + batch[-1:] * (batch_size - len(batch))  # the batch size the graph was built for
         rows, _ = generator.generate(padded, max_new_tokens, sampling)
         rows = rows[:len(batch)]
         done["prompt_ids"] += batch
         done["answers"] += [list(r) for r in rows]
-        write_atomically(path, lambda tmp: torch.save(done, tmp))
+        if path:
+            write_atomically(path, lambda tmp: torch.save(done, tmp))
         bar.update(len(batch))
     bar.close()
     return done
@@ -115,17 +152,22 @@ def features(model, layers: tuple, data: dict, path: Path, top_k: int):
         return torch.load(path, weights_only=True)
     seqs = [p + a for p, a in zip(data["prompt_ids"], data["answers"])]
     out = {"tokens": [], "prompt_len": [], "features": [], "top_ids": [], "top_probs": []}
-    model.setup_caches(1, max(map(len, seqs)) + 1)
+    group = 8  # conversations per forward, right-padded (padding comes after every position that is kept)
+    model.setup_caches(group, max(map(len, seqs)) + 1)
     with torch.no_grad():
-        for seq, prompt in tqdm(list(zip(seqs, data["prompt_ids"])), desc="target features", unit="conversation"):
-            x = torch.tensor([seq])
-            logits, feats = model.forward_features(x, torch.arange(len(seq)).view(1, -1), layers=layers)
-            top = torch.topk(torch.softmax(logits[0].float(), -1), top_k, dim=-1)
-            out["tokens"].append(torch.tensor(seq, dtype=torch.int32))
-            out["prompt_len"].append(len(prompt))
-            out["features"].append(feats[0].to(torch.bfloat16))
-            out["top_ids"].append(top.indices.to(torch.int32))
-            out["top_probs"].append(top.values.to(torch.float16))
+        for i in tqdm(range(0, len(seqs), group), desc="target features", unit="batch"):
+            batch = seqs[i:i + group]
+            T = max(map(len, batch))
+            x = torch.tensor([s + [0] * (T - len(s)) for s in batch])
+            logits, feats = model.forward_features(x, torch.arange(T).expand(len(batch), T), layers=layers)
+            top = torch.topk(torch.softmax(logits.float(), -1), top_k, dim=-1)
+            for r, (seq, prompt) in enumerate(zip(batch, data["prompt_ids"][i:i + group])):
+                n = len(seq)
+                out["tokens"].append(torch.tensor(seq, dtype=torch.int32))
+                out["prompt_len"].append(len(prompt))
+                out["features"].append(feats[r, :n].to(torch.bfloat16))
+                out["top_ids"].append(top.indices[r, :n].to(torch.int32))
+                out["top_probs"].append(top.values[r, :n].to(torch.float16))
     write_atomically(path, lambda tmp: torch.save(out, tmp))
     return out
 
@@ -177,15 +219,14 @@ def ttt_loss(head, batch: dict, steps: int, decay: float = 0.8):
         y = y.transpose(1, 2).reshape(B, T, n_q * hd)
         h = hidden + attn.wo(y)
         h = h + head.feed_forward(head.post_norm(h))
-        logits = head.logits(h).float()  # [B, T, Vd]
-        # counted: the chain's root p - s + 1 is a generated token (>= the prompt's length) and the label exists
+        # counted: the chain's root p - s + 1 is a generated token (>= the prompt's length) and the label exists;
+        # the output layer runs on those positions only
         use = live & (pos.view(1, -1) - s + 1 >= batch["prompt_len"].view(-1, 1)) & rows_ok.view(1, -1)
-        logp = torch.log_softmax(logits, -1)
-        ce = -(label_p * logp.gather(-1, labels.clamp_min(0))).sum(-1)  # labels -1 (outside the draft vocab): p 0
-        n = use.sum().clamp_min(1)
-        total = total + decay ** (s - 1) * (ce * use).sum() / n
-        hits.append(int(((logits.argmax(-1) == labels[..., 0]) & use).sum()))
-        counted.append(int(use.sum()))
+        logp = torch.log_softmax(head.logits(h[use]).float(), -1)  # [counted, Vd]
+        ce = -(label_p[use] * logp.gather(-1, labels[use].clamp_min(0))).sum(-1)  # label -1 (not drafted): p 0
+        total = total + decay ** (s - 1) * ce.sum() / max(len(ce), 1)
+        hits.append(int((logp.argmax(-1) == labels[use][:, 0]).sum()))
+        counted.append(len(ce))
         hidden = F.pad(h[:, :-1], (0, 0, 1, 0))  # step s + 1 at p reads step s's output at p - 1
     return total, hits, counted
 
@@ -246,10 +287,16 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["optimizer"])
         step, seconds, losses = saved["step"], saved["seconds"], saved.get("losses", [])
+        total_steps = saved.get("total_steps", total_steps)
     warmup = min(100, total_steps // 10 + 1)
     bar = tqdm(total=total_steps, initial=step, desc="training the head", unit="batch")
     last_save, started = time.perf_counter(), time.perf_counter() - seconds
-    while step < total_steps and time.perf_counter() - started < args.max_minutes * 60:
+    budget = args.max_minutes * 60
+    while step < total_steps and time.perf_counter() - started < budget:
+        if step == 10:  # the schedule ends with the time budget, if that comes first
+            per_step = (time.perf_counter() - started) / step
+            total_steps = min(total_steps, int(budget / per_step))
+            bar.total = total_steps
         epoch, within = divmod(step, per_epoch)
         order = train_set[:]
         random.Random(args.seed + epoch).shuffle(order)
@@ -268,7 +315,7 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
         bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{hits[0] / max(counted[0], 1):.2f}")
         if time.perf_counter() - last_save > 120 or step == total_steps:
             state = {"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                     "seconds": time.perf_counter() - started, "losses": losses}
+                     "seconds": time.perf_counter() - started, "losses": losses, "total_steps": total_steps}
             write_atomically(state_path, lambda tmp: torch.save(state, tmp))
             last_save = time.perf_counter()
     bar.close()
@@ -293,17 +340,20 @@ def main(argv=None):
                                                                 "model.safetensors) and its work files")
     parser.add_argument("--text", type=Path, action="append", default=[], help="more text to make prompts from")
     parser.add_argument("--prompts", type=int, default=480, help="conversations to distill")
+    parser.add_argument("--own_questions", type=float, default=0.6,
+                        help="share of the prompts that are questions the target writes itself")
     parser.add_argument("--max_new_tokens", type=int, default=160, help="length of each distilled answer")
     parser.add_argument("--batch_size", type=int, default=16, help="rows of the batched engine while distilling")
     parser.add_argument("--compile", default="auto", help="compile mode of the distilling engine")
     parser.add_argument("--draft_vocab", type=int, default=8192, help="tokens the head can draft (FR-Spec)")
     parser.add_argument("--top_k", type=int, default=8, help="target probabilities kept per position")
     parser.add_argument("--ttt_steps", type=int, default=3, help="training-time-test depth")
-    parser.add_argument("--epochs", type=float, default=4)
+    parser.add_argument("--epochs", type=float, default=12, help="at most; --max_minutes ends it sooner")
     parser.add_argument("--train_batch", type=int, default=8, help="conversations per training step")
     parser.add_argument("--max_len", type=int, default=512, help="positions per conversation in training")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--max_minutes", type=float, default=30.0, help="stop training (and save) after this")
+    parser.add_argument("--max_minutes", type=float, default=20.0,
+                        help="training time: the learning-rate schedule ends there")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in ("prompts", "max_new_tokens", "batch_size", "draft_vocab", "top_k", "ttt_steps", "train_batch",
@@ -327,8 +377,11 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     generator = Generator.build(args.checkpoint_path, compile=args.compile, batch_size=args.batch_size)
     chat = generator.tokenizer.chat_template is not None  # answers as the target gives them in a chat
-    prompts = make_prompts(args.prompts, texts, args.seed)
-    data = distill(generator, prompts, work / "answers.pt", args.max_new_tokens, args.batch_size, chat, args.seed)
+    generator.reserve(args.batch_size, 480)  # one cache size (512) for both phases: one compiled graph
+    questions = ask_questions(generator, round(args.prompts * args.own_questions), work / "questions.json",
+                              args.batch_size, chat, args.seed) if args.own_questions > 0 else []
+    prompts = make_prompts(args.prompts, texts, args.seed, questions)
+    data = answer(generator, prompts, work / "answers.pt", args.max_new_tokens, args.batch_size, chat, args.seed)
     distilled = time.perf_counter()
     target = generator.model
     layers = drafthead.HeadArgs.for_target(target, 1).target_layers

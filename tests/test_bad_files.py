@@ -150,7 +150,8 @@ SHARD_BREAKS = {  # id: (how the shard is broken, what the line names)
     "complex": (lambda s: s.update({"model.norm.weight": s["model.norm.weight"].to(torch.complex64)}),
                 "'model.norm.weight'"),
     "sparse": (lambda s: s.update({"lm_head.weight": s["lm_head.weight"].to_sparse()}), "'lm_head.weight'"),
-    "int-key": (lambda s: s.update({7: s["model.norm.weight"]}), "its state dict has a key that is not a string (int 7)"),
+    "int-key": (lambda s: s.update({7: s["model.norm.weight"]}),
+                "its state dict has a key that is not a string (int 7)"),
 }
 
 

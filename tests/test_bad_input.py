@@ -291,6 +291,8 @@ CASES = [
     gen("tokenizer_missing", expect=["{ckpt}", "tokenizer"], setup=lambda w: (w.ckpt / "tokenizer.model").unlink()),
     here(gen("chat_template_broken", "--chat", expect=["{ckpt}/tokenizer_config.json", "chat template"],
              setup=lambda w: (w.ckpt / "tokenizer_config.json").write_text('{"chat_template": "{% for %}"}'))),
+    here(gen("chat_template_a_number", "--chat", expect=["{ckpt}/tokenizer_config.json", "chat_template"],
+             setup=lambda w: (w.ckpt / "tokenizer_config.json").write_text('{"chat_template": 5}'))),
     # --- generate.py: flags
     gen("prompt_99999999999_tokens", "--prompt", "99999999999", expect=["--prompt"]),
     here(gen("prompt_longer_than_context", "--prompt", "300", expect=["--max_new_tokens", "256"])),

@@ -246,15 +246,6 @@ def test_a8_compiled_equals_eager():
         assert torch.equal(torch.compile(layers, fullgraph=True)(x), layers(x))
 
 
-def test_a8_layers_refuse_export():
-    """Stored AOTInductor graphs cannot call the operators yet (docs/quantization.md): export is refused, so that
-    decode.StoredForward compiles such a model in-process (one line) rather than storing a graph that fails to run."""
-    a8_isas()
-    module, _ = a8_linear("int4", 32, 64)
-    with pytest.raises(RuntimeError, match="stored graphs cannot call the a8 kernels"):
-        torch.export.export(module, (torch.randn(2, 64),), strict=False)
-
-
 def test_without_a_compiler_one_line_and_the_weight_only_kernels(monkeypatch, capsys):
     import quantize
     from torch.utils import cpp_extension

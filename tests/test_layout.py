@@ -1,6 +1,6 @@
 """The layout: imports flow one way, errors, kernels <- model <- tokenizer, quantize, tp <- decode <- speculate <-
-draftmodel <- drafthead, crossdraft <- generation (the library) <- generate.py (the command line) <- nothing: scripts and tests
-import the library, never the command line."""
+draftmodel <- drafthead, crossdraft <- generation (the library) <- generate.py (the command line) <- nothing: scripts
+and tests import the library, never the command line."""
 import ast
 import subprocess
 import sys

@@ -53,7 +53,8 @@ def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(stored
     assert greedy(stored_engine(checkpoint)) == eager == whole
     assert built(capsys)
     packages = list((checkpoint.parent / "compiled").glob("*.so"))
-    assert len(packages) == 1 and json.loads(packages[0].with_suffix(".json").read_text())["signature"]
+    assert len(packages) == 1
+    assert json.loads(packages[0].with_name(packages[0].stem + ".meta.json").read_text())["signature"]
     engine = stored_engine(checkpoint)
     assert greedy(engine, prompt=(3, 4)) == greedy(decode.Engine(generation.load_model(checkpoint)), prompt=(3, 4))
     assert not built(capsys)
@@ -139,19 +140,24 @@ def test_find_refuses_foreign_stale_and_truncated_packages(tmp_path, monkeypatch
     (copied in with a checkpoint), one built for another key, one changed after signing are all refused."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "mine"))
     directory = tmp_path / "compiled"
-    artifacts.store(directory, "model-b1-k", "KEY", {"x": 1}, lambda tmp: tmp.write_bytes(b"package" * 100))
+    artifacts.store(directory, "model-b1-k", "KEY", {"x": 1}, lambda tmp: tmp.write_bytes(b"package" * 100) and "{}")
     assert artifacts.find(directory, "model-b1-k", "KEY") == (directory / "model-b1-k.so", None)
     assert artifacts.find(directory, "model-b1-k", "OTHER")[1] == "it was built for other weights, options or software"
     assert artifacts.find(directory, "missing", "KEY") == (None, None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "someone else"))
     assert "not built on this machine" in artifacts.find(directory, "model-b1-k", "KEY")[1]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "mine"))
+    table = directory / "model-b1-k.json"  # the operator table the runner reads beside the library is signed too
+    table.write_text('{"extern": 1}')
+    assert "not built on this machine" in artifacts.find(directory, "model-b1-k", "KEY")[1]
+    table.write_text("{}")
+    assert artifacts.find(directory, "model-b1-k", "KEY")[1] is None
     package = directory / "model-b1-k.so"
     package.write_bytes(package.read_bytes()[:50])
     assert "not built on this machine" in artifacts.find(directory, "model-b1-k", "KEY")[1]
     # a newer key for the same graph replaces the old package (no growing pile of stale graphs)
-    artifacts.store(directory, "model-b1-k2", "KEY2", {"x": 2}, lambda tmp: tmp.write_bytes(b"new"))
-    assert sorted(p.name for p in directory.iterdir()) == ["model-b1-k2.json", "model-b1-k2.so"]
+    artifacts.store(directory, "model-b1-k2", "KEY2", {"x": 2}, lambda tmp: tmp.write_bytes(b"new") and None)
+    assert sorted(p.name for p in directory.iterdir()) == ["model-b1-k2.meta.json", "model-b1-k2.so"]
     key = tmp_path / "mine" / "fastgen" / "artifact.key"
     assert oct(key.stat().st_mode & 0o777) == "0o600"
     os.chmod(key, 0o644)
@@ -191,3 +197,28 @@ def test_speculative_decoding_on_stored_graphs_equals_plain(stored, tmp_path):
         rows, stats = generator.generate(prompt, 24, decode.Sampling(), stop_at_eos=False)
         assert rows == plain, speculation
         assert draft_path is None or sum(stats["accept_counts"][1:]) > 0  # drafts were accepted: verification ran
+
+
+@pytest.mark.slow
+def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path):
+    """The features graph a draft head reads (Engine.forward_features) and a model whose layers call the a8 custom
+    operators (through the runner's operator table, stored and signed beside the library) are stored and loaded like
+    any graph, and give eager decoding's tokens."""
+    from drafthead import save_head
+    from test_drafthead import random_head
+    import quantize
+    checkpoint = stored
+    prompt = [1, 5, 9, 2, 7, 5, 9, 2]
+    plain = generation.Generator.build(checkpoint).generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0]
+    save_head(random_head(generation.load_model(checkpoint), 256, seed=6), tmp_path / "head")
+    generator = generation.Generator.build(checkpoint, draft_head=tmp_path / "head", compile="auto",
+                                           speculation=generation.Speculation(3, 6))
+    assert generator.target.mode == "stored"
+    assert generator.generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0] == plain
+    assert list((checkpoint.parent / "compiled").glob("*-f*.so"))  # the features graph
+    a8 = quantize.quantize_checkpoint(checkpoint, "int8-a8")
+    eager = generation.Generator.build(a8).generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0]
+    stored_a8 = generation.Generator.build(a8, compile="auto")
+    assert stored_a8.generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0] == eager
+    tables = [p for p in (checkpoint.parent / "compiled").glob(f"{a8.stem}-*.json") if ".meta." not in p.name]
+    assert tables and "fastgen" in tables[0].read_text()  # the custom operators' table, beside the library
