@@ -396,7 +396,7 @@ def gguf_downloaded(directory: Path, tmp_path: Path):  # from an installed packa
 
 def graph_stored(directory: Path, tmp_path: Path):  # compile_model's and --compile's stored graphs
     import artifacts
-    artifacts.store(directory, "forward-k2", "k2", {}, lambda tmp: Path(tmp).write_bytes(b"library"))
+    artifacts.store(directory, "forward-k2", "k2", {}, lambda tmp: Path(tmp).write_bytes(b"library") and None)
 
 
 def stats_written(directory: Path, tmp_path: Path):  # generate.py's and eval.py's --stats_json, --profile
