@@ -234,9 +234,8 @@ def pvalues(model, head, sampling, draws=DRAWS, tree_nodes=None):
 
 
 @pytest.mark.parametrize("sampling,tree_nodes", [
-    (Sampling(1.0), None), pytest.param(Sampling(1.3, top_p=0.8), 6, marks=pytest.mark.slow),
-    pytest.param(Sampling(0.7, top_k=6), 6, marks=pytest.mark.slow)],
-    ids=["T1-chain", "T1.3-topp-tree", "T0.7-topk-tree"])
+    (Sampling(1.0), None), pytest.param(Sampling(0.7, top_k=6, top_p=0.9), 6, marks=pytest.mark.slow)],
+    ids=["T1-chain", "T0.7-topk-topp-tree"])
 def test_sampling_is_lossless(sampling, tree_nodes):
     model = tiny_target()
     head = random_head(model, 16, seed=3, scale=0.5)  # a draft vocabulary without a third of the target's tokens
