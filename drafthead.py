@@ -22,7 +22,8 @@ from torch import Tensor
 from decode import Sampling, logits_to_probs, sample_from, sdpa_context
 from draftmodel import sampled_candidates, tree_width
 from errors import UserError
-from model import Attention, FeedForward, KVCache, Linear, RMSNorm, Transformer, check_rope_scaling, precompute_rope
+from model import (Attention, FeedForward, KVCache, Linear, RMSNorm, Transformer, check_rope_scaling, halves_to_pairs,
+                   pairs_to_halves, precompute_rope)
 from speculate import Tree
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -178,15 +179,6 @@ class DraftHead(nn.Module):
 
 # ----------------------------------------------------------------------------- EAGLE-3's checkpoint format
 
-def _halves_to_pairs(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    # Hugging Face rotates (i, i + head_dim/2), this model interleaved pairs (2i, 2i+1): reorder each head's rows
-    return w.reshape(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
-
-
-def _pairs_to_halves(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    return w.reshape(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
-
-
 NAMES = {"fc.weight": "fc.weight", "midlayer.input_layernorm.weight": "input_norm.weight",
          "midlayer.hidden_norm.weight": "hidden_norm.weight", "midlayer.self_attn.o_proj.weight": "attention.wo.weight",
          "midlayer.post_attention_layernorm.weight": "post_norm.weight",
@@ -203,8 +195,8 @@ def to_eagle3(head: DraftHead) -> dict:
     out = {theirs: ours[name].contiguous() for theirs, name in NAMES.items()}
     q, k, v = ours["attention.wqkv.weight"].split([a.n_head * a.head_dim, a.n_local_heads * a.head_dim,
                                                    a.n_local_heads * a.head_dim])
-    out[QKV[0]] = _pairs_to_halves(q, a.n_head, a.head_dim).contiguous()
-    out[QKV[1]] = _pairs_to_halves(k, a.n_local_heads, a.head_dim).contiguous()
+    out[QKV[0]] = pairs_to_halves(q, a.n_head, a.head_dim).contiguous()
+    out[QKV[1]] = pairs_to_halves(k, a.n_local_heads, a.head_dim).contiguous()
     out[QKV[2]] = v.contiguous()
     ids = head.token_ids.long()
     out["d2t"] = ids - torch.arange(len(ids))  # target id = draft id + d2t[draft id]
@@ -230,8 +222,8 @@ def from_eagle3(tensors: dict, args: HeadArgs, source) -> dict:
         if name != "d2t" and name != "t2d" and not t.dtype.is_floating_point:
             raise UserError(f"{source}: {name} is {t.dtype}, not a float tensor")
     state = {ours: tensors[theirs].float() for theirs, ours in NAMES.items()}
-    state["attention.wqkv.weight"] = torch.cat([_halves_to_pairs(tensors[QKV[0]].float(), a.n_head, a.head_dim),
-                                                _halves_to_pairs(tensors[QKV[1]].float(), a.n_local_heads, a.head_dim),
+    state["attention.wqkv.weight"] = torch.cat([halves_to_pairs(tensors[QKV[0]].float(), a.n_head, a.head_dim),
+                                                halves_to_pairs(tensors[QKV[1]].float(), a.n_local_heads, a.head_dim),
                                                 tensors[QKV[2]].float()])
     ids = torch.arange(a.draft_vocab_size)
     if "d2t" in tensors:

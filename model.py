@@ -423,6 +423,17 @@ def precompute_rope(args: ModelArgs, positions: int) -> Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
+def halves_to_pairs(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """q/k projection rows from Hugging Face's RoPE layout (rotates (i, i + head_dim/2)) to this model's (rotates
+    interleaved pairs (2i, 2i+1)): each head's rows reordered."""
+    return w.reshape(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
+
+
+def pairs_to_halves(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """halves_to_pairs() undone."""
+    return w.reshape(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     # rotate each pair (x[2i], x[2i+1]) by the angle of position * frequency_i (RoFormer, Su et al.)
     xf = x.float().reshape(*x.shape[:-1], -1, 2)

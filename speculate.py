@@ -455,7 +455,8 @@ class Speculator:
             else:
                 trees, forwards = drafter.draft([c[-1] for c in contexts], pos, arm[0], contexts, sampling,
                                                 **({"nodes": arm[1]} if auto else {}))
-            synchronize(target.model)
+            if auto:  # the draft's own seconds (on CUDA, a sync; otherwise draft and verification queue back to back)
+                synchronize(target.model)
             drafted = time.perf_counter()
             results = verify_step(target, [tree.pad_to((arm[1] if arm else 0) + 1) for tree in trees], pos,
                                   sampling, live, bool(self.features))

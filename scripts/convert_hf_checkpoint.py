@@ -21,7 +21,7 @@ from errors import UserError, check_tensors, load_weights, run_cli, write_files_
 errors.interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 
-from model import ModelArgs, Transformer  # noqa: E402
+from model import ModelArgs, Transformer, halves_to_pairs, pairs_to_halves  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -50,15 +50,6 @@ def _progress(iterable, total, desc):
 
 # ----------------------------------------------------------------------------- the mapping
 
-def _halves_to_pairs(w, n_heads, head_dim):
-    # HF rotates (i, i + head_dim/2), we rotate interleaved pairs (2i, 2i+1): reorder each head's rows
-    return w.reshape(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
-
-
-def _pairs_to_halves(w, n_heads, head_dim):
-    return w.reshape(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
-
-
 def hf_to_ours(hf_state_dict: dict, args: ModelArgs) -> dict:
     """Hugging Face LlamaForCausalLM names and RoPE layout -> ours. Raises UserError on missing keys."""
     sd = dict(hf_state_dict)
@@ -83,8 +74,8 @@ def hf_to_ours(hf_state_dict: dict, args: ModelArgs) -> dict:
         prefix = f"model.layers.{i}."
         q, k, v = (sd.pop(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv")
         ours[f"layers.{i}.attention.wqkv.weight"] = torch.cat([
-            _halves_to_pairs(q, args.n_head, args.head_dim),
-            _halves_to_pairs(k, args.n_local_heads, args.head_dim), v])
+            halves_to_pairs(q, args.n_head, args.head_dim),
+            halves_to_pairs(k, args.n_local_heads, args.head_dim), v])
         for ours_name, hf_name in _LAYER_MAP.items():
             ours[f"layers.{i}.{ours_name}"] = sd.pop(prefix + hf_name)
     unused = [k for k in sd if not _IGNORED.match(k)]
@@ -106,8 +97,8 @@ def ours_to_hf(our_state_dict: dict, args: ModelArgs) -> dict:
     for i in range(args.n_layer):
         prefix = f"model.layers.{i}."
         q, k, v = sd[f"layers.{i}.attention.wqkv.weight"].split([q_size, kv_size, kv_size])
-        hf[f"{prefix}self_attn.q_proj.weight"] = _pairs_to_halves(q, args.n_head, args.head_dim)
-        hf[f"{prefix}self_attn.k_proj.weight"] = _pairs_to_halves(k, args.n_local_heads, args.head_dim)
+        hf[f"{prefix}self_attn.q_proj.weight"] = pairs_to_halves(q, args.n_head, args.head_dim)
+        hf[f"{prefix}self_attn.k_proj.weight"] = pairs_to_halves(k, args.n_local_heads, args.head_dim)
         hf[f"{prefix}self_attn.v_proj.weight"] = v
         for ours_name, hf_name in _LAYER_MAP.items():
             hf[prefix + hf_name] = sd[f"layers.{i}.{ours_name}"]

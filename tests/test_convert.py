@@ -199,9 +199,9 @@ def test_qk_permutation_turns_rotate_half_into_interleaved_pairs():
     """Row j*head_dim/2 + i of a Hugging Face head (rotated with row i + head_dim/2) lands at row 2i + j."""
     n_heads, head_dim, dim = 2, 8, 3
     w = torch.arange(n_heads * head_dim).repeat_interleave(dim).view(-1, dim)
-    rows = convert._halves_to_pairs(w, n_heads, head_dim)[:, 0].tolist()
+    rows = model_module.halves_to_pairs(w, n_heads, head_dim)[:, 0].tolist()
     assert rows == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
-    assert torch.equal(convert._pairs_to_halves(convert._halves_to_pairs(w, n_heads, head_dim), n_heads, head_dim), w)
+    assert torch.equal(model_module.pairs_to_halves(model_module.halves_to_pairs(w, n_heads, head_dim), n_heads, head_dim), w)
 
 
 def test_bf16_stays_bf16_unless_dtype_given(tmp_path):

@@ -188,7 +188,7 @@ def test_logits_match_transformers(tmp_path, bpe_vocab, types, tied):
         expected = hf_model(path)(ids).logits
         torch.testing.assert_close(our_logits(ours, ids), expected, atol=1e-4, rtol=1e-4)
         # the check can see a RoPE layout mistake: re-permuting Q and K as for a Hugging Face checkpoint breaks it
-        from convert_hf_checkpoint import _halves_to_pairs
+        from model import halves_to_pairs as _halves_to_pairs
         q_size, kv_size = N_HEAD * args.head_dim, N_KV * args.head_dim
         for layer in ours.layers:
             q, k, v = layer.attention.wqkv.weight.split([q_size, kv_size, kv_size])
