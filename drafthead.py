@@ -147,7 +147,7 @@ class DraftHead(nn.Module):
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         if self.max_batch_size >= max_batch_size and self.max_seq_length >= max_seq_length:
             return
-        weight = self.fc.weight
+        weight = self.norm.weight  # float even where the linear layers are int8
         self.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.args.n_local_heads,
                                           self.args.head_dim, weight.dtype).to(weight.device)
         self.register_buffer("rope_table", precompute_rope(self.args, max_seq_length).to(weight.device),
@@ -249,9 +249,12 @@ def save_head(head: DraftHead, directory: Path):
         CONFIG: lambda tmp: tmp.write_text(json.dumps(head.args.to_config(), indent=1) + "\n")})
 
 
-def load_head(path, target: Transformer) -> DraftHead:
+def load_head(path, target: Transformer, int8: bool = True) -> DraftHead:
     """A draft head for `target` from a directory holding config.json and model.safetensors (EAGLE-3's format; our
-    trained heads are written in it), on the target's device and dtype."""
+    trained heads are written in it), on the target's device and dtype. On the CPU its linear layers run int8
+    (int8=True, where kernels_a8.cpp builds): a head step reads its weights once per drafted token, and at a quarter
+    of the bytes it costs a fraction of a target step (BENCHMARKS.md); the drafts change a little, the output not at
+    all (speculation is lossless for any draft)."""
     from safetensors import SafetensorError, safe_open
     path = Path(path)
     directory = path if path.is_dir() else path.parent
@@ -274,7 +277,24 @@ def load_head(path, target: Transformer) -> DraftHead:
     head.load_state_dict(state)
     weight = target.tok_embeddings.weight
     dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-    return head.to(device=weight.device, dtype=dtype).attach(target).requires_grad_(False)
+    head = head.to(device=weight.device, dtype=dtype).attach(target).requires_grad_(False)
+    if int8 and weight.device.type == "cpu":
+        quantize_head(head)
+    return head
+
+
+def quantize_head(head: DraftHead):
+    """The head's linear layers as weight-only int8 (quantize.py's scheme and CPU kernel), where that kernel builds."""
+    import kernels
+    import quantize
+    if not kernels.a8_kernels():
+        return
+    for name, linear in [(n, m) for n, m in head.named_modules() if isinstance(m, nn.Linear)]:
+        layer = quantize.Int8Linear(linear.in_features, linear.out_features)
+        layer.weight, layer.scales = quantize.quantize_int8(linear.weight.detach())
+        layer.pack_for_cpu()
+        parent, _, child = name.rpartition(".")
+        setattr(head.get_submodule(parent) if parent else head, child, layer)
 
 
 # ----------------------------------------------------------------------------- the head as a drafter
@@ -303,7 +323,7 @@ class HeadDrafter:
         # verification writes tree_nodes + 1 target slots; the head's padded catch-up reaches depth + 1 past the
         # last root, its chain or tree (depth - 1) * width past the new one
         self.lookahead = max(self.tree_nodes, (depth - 1) * self.width) + depth + 3
-        self.device = head.fc.weight.device
+        self.device = head.norm.weight.device
         self.pending = []  # per row: target features [n, F] of the n positions before its current token
 
     @property

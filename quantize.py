@@ -47,7 +47,10 @@ def dequantize_int8(weight: Tensor, scales: Tensor, dtype=torch.float32) -> Tens
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * s)^T with int8 q [N, K] and one bf16 scale per output row."""
+    """y = x @ (q * s)^T with int8 q [N, K] and one bf16 scale per output row. On the CPU, once packed, the product
+    runs in kernels_a8.cpp's fastgen::int8_linear: float32 activations times the int8 weight converted in registers,
+    float32 sums (ATen's int8 kernel rounds the activations to bf16 and reads the weight slower: BENCHMARKS.md)."""
+    packed_for_cpu = False
 
     def __init__(self, in_features: int, out_features: int, device=None):
         super().__init__()
@@ -56,12 +59,24 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, dtype=torch.bfloat16, device=device))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu":
+        if self.packed_for_cpu:
+            y = torch.ops.fastgen.int8_linear(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight,
+                                              self.scales)
+            return y.view(*x.shape[:-1], -1).to(x.dtype)
+        if x.device.type == "cpu":  # no compiler for kernels_a8.cpp
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.weight,
                                                    self.scales.to(torch.bfloat16))
             return y.view(*x.shape[:-1], -1).to(x.dtype)
         # per-row scales commute with the matmul: scale the outputs, not the N x K weight
         return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+
+    def pack_for_cpu(self):
+        """kernels_a8.cpp's layout: rows padded with zeros to a multiple of A8_STEP inputs, float32 scales (the
+        bf16 values, exactly). Made at load time, after sharding; never stored."""
+        if not self.packed_for_cpu and self.weight.device.type == "cpu" and kernels.a8_kernels():
+            self.weight = F.pad(self.weight, (0, padded_inputs(self.in_features) - self.in_features)).contiguous()
+            self.scales = self.scales.float()
+            self.packed_for_cpu = True
 
 
 # ----------------------------------------------------------------------------- int4
@@ -148,7 +163,6 @@ class Int8A8Linear(Int8Linear):
     """int8-a8: Int8Linear's weights times the input quantized to 8 bits per block of 32 inputs (d = max|x| / 127),
     multiplied in integers: y = s * sum_b d_b * (q_w . q_x)_b. Off the CPU, or where kernels_a8.cpp cannot be built,
     the weight-only int8 path."""
-    packed_for_cpu = False
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed_for_cpu:
@@ -156,13 +170,6 @@ class Int8A8Linear(Int8Linear):
                                                  self.scales)
             return y.view(*x.shape[:-1], -1).to(x.dtype)
         return super().forward(x)
-
-    def pack_for_cpu(self):
-        """The kernel's layout: rows padded with zeros to a multiple of A8_STEP inputs, float32 scales."""
-        if not self.packed_for_cpu and self.weight.device.type == "cpu" and kernels.a8_kernels():
-            self.weight = F.pad(self.weight, (0, padded_inputs(self.in_features) - self.in_features)).contiguous()
-            self.scales = self.scales.float()
-            self.packed_for_cpu = True
 
 
 class Int4A8Linear(Int4Linear):
@@ -233,9 +240,9 @@ def apply_quantization_scheme(model: Transformer, scheme: dict):
 
 
 def pack_for_device(model: nn.Module):
-    """After loading (and sharding): int4 and a8 weights on the CPU go into their CPU kernel's layout."""
+    """After loading (and sharding): int8 and int4 weights on the CPU go into their CPU kernel's layout."""
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8A8Linear)):
+        if isinstance(module, (Int4Linear, Int8Linear)):
             module.pack_for_cpu()
 
 

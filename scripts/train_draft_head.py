@@ -9,10 +9,14 @@
    not imported), and paragraphs of --text FILE (repeatable) to summarize or continue.
 2. Self-distillation (EAGLE, HASS): the target answers them itself through the batched engine, greedily and at
    temperature 0.7, in its chat template, so the head learns what the target says, not what a dataset says.
-3. One eager pass of the target over every conversation keeps its features (inputs of a low, a middle and a high
-   block, EAGLE-3) and its top-k next-token probabilities at every position.
-4. The draft vocabulary is the most frequent tokens of the distilled answers (FR-Spec, Zhao et al. 2025).
-5. Training-time test (EAGLE-3, Li et al. 2025): step s at slot p feeds the head its own step s - 1 output from slot
+3. Text-forced conversations (EAGLE trained on fixed text): passages of prose that ship offline (--text files, the
+   Python documentation's topics, the standard library's docstrings) as the assistant's answers; the labels are still
+   the target's own next-token probabilities at every position, so the head learns the target, at the cost of one
+   forward per token instead of one decode step (several times more data per minute than distilling).
+4. One eager pass of the target (in bf16) over every conversation keeps its features (inputs of a low, a middle and
+   a high block, EAGLE-3) and its top-k next-token probabilities at every position.
+5. The draft vocabulary is the most frequent tokens of the distilled answers (FR-Spec, Zhao et al. 2025).
+6. Training-time test (EAGLE-3, Li et al. 2025): step s at slot p feeds the head its own step s - 1 output from slot
    p - 1 and attends the real entries up to the chain's root p - s + 1 plus its own chain: the head learns to draft
    from its own predictions, as it does at depth s. Loss: cross-entropy against the target's top-k distribution.
 Each phase's result is kept in OUT/work/ (written atomically); run the same command again to resume.
@@ -70,6 +74,64 @@ def stdlib_entries(limit: int, rng: random.Random) -> list:
         if len(out) >= 4 * limit:
             break
     return out
+
+
+FORCED_ASKS = ["Tell me about {title}.", "Explain {title}.", "Can you write a few paragraphs about {title}?",
+               "What should I know about {title}?", "Describe {title} in detail."]
+
+
+def prose_passages(texts: list, chars: int, rng: random.Random) -> list:
+    """About `chars` characters of prose that ships offline, as (title, passage of ~1500 characters) pairs: the
+    user's texts first, then the Python documentation's topics (pydoc_data) and the standard library's docstrings."""
+    sources = [("this text", t) for t in texts]
+    try:
+        from pydoc_data.topics import topics
+        sources += [(name.replace("-", " "), text) for name, text in sorted(topics.items())]
+    except ImportError:  # some distributions leave the documentation out
+        pass
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        docs = [ast.get_docstring(tree) or ""] + [ast.get_docstring(n) or "" for n in ast.walk(tree)
+                                                   if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        sources.append((f"the Python module {path.stem}", "\n\n".join(d for d in docs if len(d) >= 80)))
+    passages = []
+    for title, text in sources:
+        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+        chunk = ""
+        for paragraph in paragraphs:
+            chunk = f"{chunk}\n\n{paragraph}" if chunk else paragraph
+            if len(chunk) >= 1500:
+                passages.append((title, chunk[:3000]))
+                chunk = ""
+        if len(chunk) >= 300:
+            passages.append((title, chunk))
+    user = [p for p in passages if p[0] == "this text"]
+    rest = [p for p in passages if p[0] != "this text"]
+    rng.shuffle(rest)
+    out, total = [], 0
+    for passage in user + rest:
+        if total >= chars:
+            break
+        out.append(passage)
+        total += len(passage[1])
+    return out
+
+
+def forced_conversations(generator, passages: list, chat: bool, rng: random.Random, max_len: int) -> dict:
+    """Each passage as the answer to a request for it: {"prompt_ids", "answers"} like answer()'s, at most max_len
+    positions each."""
+    data = {"prompt_ids": [], "answers": []}
+    for title, text in passages:
+        prompt = generator.encode(rng.choice(FORCED_ASKS).format(title=title), chat=chat)
+        body = generator.tokenizer.encode(text)[:max(0, max_len - len(prompt))]
+        if len(body) >= 16:
+            data["prompt_ids"].append(prompt)
+            data["answers"].append(body)
+    return data
 
 
 def ask_questions(generator, count: int, path: Path, batch_size: int, chat: bool, seed: int) -> list:
@@ -145,29 +207,36 @@ def answer(generator, prompts: list, path, max_new_tokens: int, batch_size: int,
 
 def features(model, layers: tuple, data: dict, path: Path, top_k: int):
     """The target's features [n, F] (bf16) and top-k next-token ids / probabilities at every position of every
-    conversation; one eager forward each."""
+    conversation; one forward each, of a bf16 copy of the target (about twice as fast on CPUs with bf16 dot products;
+    the labels move by bf16's rounding). data["forced"]: how many of the last conversations are text-forced."""
+    import copy
     import torch
     from tqdm import tqdm
     if path.exists():
         return torch.load(path, weights_only=True)
     seqs = [p + a for p, a in zip(data["prompt_ids"], data["answers"])]
-    out = {"tokens": [], "prompt_len": [], "features": [], "top_ids": [], "top_probs": []}
+    forced = data.get("forced", 0)
+    out = {"tokens": [None] * len(seqs), "prompt_len": [len(p) for p in data["prompt_ids"]],
+           "features": [None] * len(seqs), "top_ids": [None] * len(seqs), "top_probs": [None] * len(seqs),
+           "forced": [i >= len(seqs) - forced for i in range(len(seqs))]}
+    half = copy.deepcopy(model).to(torch.bfloat16)
     group = 8  # conversations per forward, right-padded (padding comes after every position that is kept)
-    model.setup_caches(group, max(map(len, seqs)) + 1)
+    half.setup_caches(group, max(map(len, seqs)) + 1)
+    by_length = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # little padding within a group
     with torch.no_grad():
         for i in tqdm(range(0, len(seqs), group), desc="target features", unit="batch"):
-            batch = seqs[i:i + group]
-            T = max(map(len, batch))
-            x = torch.tensor([s + [0] * (T - len(s)) for s in batch])
-            logits, feats = model.forward_features(x, torch.arange(T).expand(len(batch), T), layers=layers)
+            idx = by_length[i:i + group]
+            T = max(len(seqs[j]) for j in idx)
+            x = torch.tensor([seqs[j] + [0] * (T - len(seqs[j])) for j in idx])
+            logits, feats = half.forward_features(x, torch.arange(T).expand(len(idx), T), layers=layers)
             top = torch.topk(torch.softmax(logits.float(), -1), top_k, dim=-1)
-            for r, (seq, prompt) in enumerate(zip(batch, data["prompt_ids"][i:i + group])):
-                n = len(seq)
-                out["tokens"].append(torch.tensor(seq, dtype=torch.int32))
-                out["prompt_len"].append(len(prompt))
-                out["features"].append(feats[r, :n].to(torch.bfloat16))
-                out["top_ids"].append(top.indices[r, :n].to(torch.int32))
-                out["top_probs"].append(top.values[r, :n].to(torch.float16))
+            for r, j in enumerate(idx):
+                n = len(seqs[j])
+                out["tokens"][j] = torch.tensor(seqs[j], dtype=torch.int32)
+                out["features"][j] = feats[r, :n].to(torch.bfloat16)
+                out["top_ids"][j] = top.indices[r, :n].to(torch.int32)
+                out["top_probs"][j] = top.values[r, :n].to(torch.float16)
+    del half
     write_atomically(path, lambda tmp: torch.save(out, tmp))
     return out
 
@@ -272,10 +341,11 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
     head.setup_caches(1, max(len(t) for t in data["tokens"]) + 1)
     to_draft = torch.full((target.args.vocab_size,), -1, dtype=torch.long)
     to_draft[vocab] = torch.arange(len(vocab))
-    conversations = list(range(len(data["tokens"])))
+    forced = data.get("forced") or [False] * len(data["tokens"])
+    conversations = [i for i in range(len(data["tokens"])) if not forced[i]]
     random.Random(args.seed).shuffle(conversations)
-    held = conversations[:max(1, len(conversations) // 20)]
-    train_set = conversations[len(held):]
+    held = conversations[:max(1, len(conversations) // 20)]  # held out: the target's own answers, as at run time
+    train_set = conversations[len(held):] + [i for i in range(len(data["tokens"])) if forced[i]]
     per_epoch = math.ceil(len(train_set) / args.train_batch)
     total_steps = int(per_epoch * args.epochs)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -343,6 +413,8 @@ def main(argv=None):
     parser.add_argument("--own_questions", type=float, default=0.6,
                         help="share of the prompts that are questions the target writes itself")
     parser.add_argument("--max_new_tokens", type=int, default=160, help="length of each distilled answer")
+    parser.add_argument("--text_chars", type=int, default=1_000_000,
+                        help="characters of offline prose to add as text-forced conversations (0: none)")
     parser.add_argument("--batch_size", type=int, default=16, help="rows of the batched engine while distilling")
     parser.add_argument("--compile", default="auto", help="compile mode of the distilling engine")
     parser.add_argument("--draft_vocab", type=int, default=8192, help="tokens the head can draft (FR-Spec)")
@@ -360,6 +432,8 @@ def main(argv=None):
                  "max_len"):
         if getattr(args, name) < 1:
             raise UserError(f"`{name}` must be >= 1")
+    if args.text_chars < 0:
+        raise UserError("`text_chars` must be >= 0")
     if not args.checkpoint_path.is_file():
         raise UserError(f"no checkpoint at {args.checkpoint_path}: convert or download one first")
     texts = []
@@ -383,21 +457,31 @@ def main(argv=None):
     prompts = make_prompts(args.prompts, texts, args.seed, questions)
     data = answer(generator, prompts, work / "answers.pt", args.max_new_tokens, args.batch_size, chat, args.seed)
     distilled = time.perf_counter()
+    if args.text_chars > 0:
+        passages = prose_passages(texts, args.text_chars, random.Random(args.seed + 2))
+        extra = forced_conversations(generator, passages, chat, random.Random(args.seed + 3), args.max_len)
+        data = {"prompt_ids": data["prompt_ids"] + extra["prompt_ids"], "answers": data["answers"] + extra["answers"],
+                "forced": len(extra["answers"])}
     target = generator.model
     layers = drafthead.HeadArgs.for_target(target, 1).target_layers
     data = features(target, layers, data, work / "features.pt", args.top_k)
     vocab = draft_vocabulary(data, args.draft_vocab, target.args.vocab_size)
     featured = time.perf_counter()
     head, stats = train(target, data, vocab, args.out, work, args)
-    answer_tokens = sum(len(t) - n for t, n in zip(data["tokens"], data["prompt_len"]))
+    forced = data.get("forced") or [False] * len(data["tokens"])
+    answer_tokens = sum(len(t) - n for t, n, f in zip(data["tokens"], data["prompt_len"], forced) if not f)
+    text_tokens = sum(len(t) - n for t, n, f in zip(data["tokens"], data["prompt_len"], forced) if f)
     stats.update({"target": str(args.checkpoint_path), "conversations": len(data["tokens"]),
-                  "answer_tokens": answer_tokens, "draft_vocab": len(vocab), "ttt_steps": args.ttt_steps,
+                  "answer_tokens": answer_tokens, "text_forced_tokens": text_tokens, "draft_vocab": len(vocab),
+                  "ttt_steps": args.ttt_steps,
                   "distill_seconds": distilled - started, "feature_seconds": featured - distilled,
                   "total_seconds": time.perf_counter() - started})
-    head.args.trained_for = {k: stats[k] for k in ("target", "conversations", "answer_tokens", "steps")}
+    head.args.trained_for = {k: stats[k] for k in ("target", "conversations", "answer_tokens", "text_forced_tokens",
+                                                   "steps")}
     drafthead.save_head(head, args.out)
     write_atomically(args.out / "train_stats.json", lambda tmp: tmp.write_text(json.dumps(stats, indent=1) + "\n"))
     print(f"wrote {args.out} in {stats['total_seconds'] / 60:.1f} min: {answer_tokens} distilled answer tokens, "
+          f"{text_tokens} text-forced tokens, "
           f"held-out top-1 per depth " + ", ".join(f"{a:.2f}" for a in stats["heldout_top1_per_depth"]))
     return stats
 

@@ -133,7 +133,7 @@ def write_eagle3_head(directory, model: Transformer, draft_vocab: int, seed: int
 def test_reads_eagle3_heads_as_published(random_target, tmp_path):
     model = generation.load_model(random_target)
     tensors, cfg, ids = write_eagle3_head(tmp_path / "eagle3", model, 128)
-    head = load_head(tmp_path / "eagle3", model)
+    head = load_head(tmp_path / "eagle3", model, int8=False)
     assert head.args.target_layers == (0, model.args.n_layer - 1) and torch.equal(head.token_ids, ids)
     T = 9
     g = torch.Generator().manual_seed(1)
@@ -145,6 +145,15 @@ def test_reads_eagle3_heads_as_published(random_target, tmp_path):
     slots = torch.arange(1, T + 1).view(1, -1)  # entries start at slot 1; RoPE is relative, so the offset is free
     got = head.logits(head(head.fuse(features).unsqueeze(0), tokens.view(1, -1), slots))[0]
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    # the default on the CPU: int8 linear layers (weight-only, per output row), logits within int8's rounding
+    import kernels
+    import quantize
+    small = load_head(tmp_path / "eagle3", model)
+    if kernels.a8_kernels():
+        assert all(isinstance(m, quantize.Int8Linear) for m in (small.fc, small.attention.wqkv, small.output))
+    small.setup_caches(1, 32)
+    approx = small.logits(small(small.fuse(features).unsqueeze(0), tokens.view(1, -1), slots))[0]
+    assert (approx - expected).abs().max() <= 0.05 * expected.abs().max()
     # and it drafts: greedy output identical with it, as with any drafter
     plain = generation.Generator.build(random_target)
     with_head = generation.Generator.build(random_target, draft_head=tmp_path / "eagle3")
@@ -262,6 +271,16 @@ def test_chi_square_rejects_a_head_whose_proposal_is_misreported(monkeypatch):
 
 # ----------------------------------------------------------------------------- training
 
+def test_prose_passages_put_the_users_text_first_and_stop_near_the_budget(tmp_path):
+    import random
+    import train_draft_head
+    mine = "\n\n".join(f"Paragraph {i} of my own text, long enough to count. " * 8 for i in range(40))
+    passages = train_draft_head.prose_passages([mine], 30_000, random.Random(0))
+    assert passages[0][0] == "this text" and passages[0][1].startswith("Paragraph 0")
+    total = sum(len(text) for _, text in passages)
+    assert 30_000 <= total <= 33_000 and len({title for title, _ in passages}) > 1  # the user's, then the stdlib's
+    assert all(300 <= len(text) <= 3000 for _, text in passages)
+
 @pytest.mark.slow
 def test_training_makes_a_better_drafter(trained_pair, tmp_path):
     """scripts/train_draft_head.py on the tiny trained target, in seconds: the loss falls, the trained head drafts
@@ -270,9 +289,10 @@ def test_training_makes_a_better_drafter(trained_pair, tmp_path):
     target = trained_pair / "target" / "model.pth"
     argv = ["--checkpoint_path", str(target), "--out", str(tmp_path / "head"), "--prompts", "48",
             "--max_new_tokens", "40", "--batch_size", "8", "--compile", "none", "--epochs", "8", "--train_batch", "4",
-            "--draft_vocab", "256", "--lr", "3e-3"]
+            "--draft_vocab", "256", "--lr", "3e-3", "--text_chars", "20000"]
     stats = train_draft_head.main(argv)
     assert stats["loss_last_tenth"] < 0.7 * stats["loss_first_tenth"], stats
+    assert stats["text_forced_tokens"] > 2000 and stats["answer_tokens"] > 0, stats
     again = train_draft_head.main(argv)  # everything kept: nothing distilled or trained again
     assert again["steps"] == stats["steps"] and again["distill_seconds"] < 5
     plain = generation.Generator.build(target)

@@ -234,12 +234,16 @@ def test_a8_threads_share_rows_not_sums(mode):
 
 
 def test_a8_compiled_equals_eager():
-    """torch.compile(fullgraph) traces the operators through their fake implementations and calls the same kernels:
-    the same bits as eager."""
+    """torch.compile(fullgraph) traces the operators through their fake implementations and calls the same kernels
+    (a8 and weight-only int8): the same bits as eager."""
     a8_isas()
     int8, _ = a8_linear("int8", 64, 96)
     int4, _ = a8_linear("int4", 40, 64, groupsize=32)
-    layers = torch.nn.Sequential(int8, torch.nn.SiLU(), int4)
+    import quantize
+    plain = quantize.Int8Linear(40, 24)  # weight-only int8: fastgen::int8_linear
+    plain.weight, plain.scales = quantize.quantize_int8(torch.randn(24, 40, generator=torch.Generator().manual_seed(2)))
+    plain.pack_for_cpu()
+    layers = torch.nn.Sequential(int8, torch.nn.SiLU(), int4, plain)
     x = activations(5, 96).view(1, 5, 96)
     torch._dynamo.reset()
     with torch.no_grad():
@@ -264,13 +268,27 @@ def test_without_a_compiler_one_line_and_the_weight_only_kernels(monkeypatch, ca
         module.pack_for_cpu()
     x = torch.randn(2, 64)
     assert not a8.a8 and torch.equal(a8(x), plain(x))
+    int8, int8_a8 = quantize.Int8Linear(64, 32), quantize.Int8A8Linear(64, 32)  # ATen's weight-only int8 kernel
+    for module in (int8, int8_a8):
+        module.weight, module.scales = quantize.quantize_int8(w)
+        module.pack_for_cpu()
+    want = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), int8.weight, int8.scales).float()
+    assert not int8.packed_for_cpu and torch.equal(int8(x), want) and torch.equal(int8_a8(x), want)
 
 
-@pytest.mark.parametrize("M, N, K", [(1, 37, 576), (6, 5, 100)])
+@pytest.mark.parametrize("M, N, K", [(1, 37, 576), (6, 5, 100), (17, 70, 1000)])
 def test_int8_weights_times_float32_activations(isa, M, N, K):
-    """fastgen::int8_linear (measured by scripts/bench_a8.py, not used by a scheme yet): x @ (q * s)^T in float32."""
-    module, reference = a8_linear("int8", N, K)
+    """The weight-only int8 scheme on the CPU (quantize.Int8Linear, packed): fastgen::int8_linear's x @ (q * s)^T
+    in float32 equals the float64 product from the same integers up to float32 rounding of the sums."""
+    import quantize
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 0, N)[:, None]
+    module = quantize.Int8Linear(K, N)
+    module.weight, module.scales = quantize.quantize_int8(w)
+    reference = quantize.dequantize_int8(module.weight, module.scales, torch.float64)
+    module.pack_for_cpu()
+    assert module.packed_for_cpu and module.weight.shape[1] % quantize.A8_STEP == 0
     x = activations(M, K)
-    y = torch.ops.fastgen.int8_linear(x, module.weight, module.scales)
+    y = module(x.view(1, M, K)).view(M, N)
     want = x.double() @ reference.t()
     assert ((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ reference.abs().t())).all()
+    assert torch.equal(module(x[-1:]), y[-1:])  # a row's result does not depend on the rows beside it
