@@ -19,9 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from errors import interruptible_imports, run_cli  # noqa: E402
+interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
+import torch  # noqa: E402
+
 import benchlib  # noqa: E402
 from benchlib import ROOT
 import decode  # noqa: E402
@@ -151,4 +153,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from errors import write_atomically  # noqa: E402
+from errors import run_cli, write_atomically  # noqa: E402
 
 PROMPTS = ["Write a short story about a robot learning to paint.", "def fibonacci(n):",
            "Explain how a key-value cache speeds up decoding.", "The three most important ideas in physics are",
@@ -144,4 +144,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

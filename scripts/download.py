@@ -18,7 +18,9 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, run_cli, write_atomically  # noqa: E402
+from errors import UserError, interruptible_imports, run_cli, write_atomically  # noqa: E402
+
+interruptible_imports(__name__)  # Ctrl-C from here on: one line, exit 130
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json",

@@ -289,7 +289,9 @@ def test_ctrl_c_while_importing_is_one_line(random_target):
 
 
 COMMANDS = ["generate.py", "quantize.py", "eval.py", "serve.py", "scripts/convert_hf_checkpoint.py",
-            "scripts/convert_gguf_checkpoint.py", "scripts/compile_model.py", "scripts/train_tiny.py"]
+            "scripts/convert_gguf_checkpoint.py", "scripts/compile_model.py", "scripts/train_tiny.py",
+            *(f"scripts/{p.name}" for p in sorted((ROOT / "scripts").glob("bench*.py"))
+              if p.name not in ("benchlib.py", "bench_serve.py"))]  # bench_serve.py loads no torch
 INTERRUPTING_TORCH = "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n"
 
 
