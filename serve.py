@@ -40,9 +40,9 @@ from generation import Generator, Speculation  # noqa: E402
 
 log = logging.getLogger("serve")
 STATIC = Path(__file__).resolve().parent / "static"
-# prompt tokens a prefill step reads over the whole batch: a row's chunk is PREFILL_TOKENS // B (at least
-# MIN_CHUNK), so a long prompt stalls the decoding rows for one chunk-sized forward at a time (docs/serve.md)
-PREFILL_TOKENS, MIN_CHUNK = 128, 16
+# prompt tokens of one prefill forward: a long prompt stalls the decoding rows for one such forward at a time
+# (docs/serve.md)
+PREFILL_TOKENS = 128
 MAX_STOP_STRINGS = 4
 
 
@@ -169,7 +169,7 @@ class Metrics:
     def __init__(self, slots: int):
         self.slots = slots
         self.outcomes = collections.Counter()
-        self.tokens = self.prompt_tokens = self.steps = self.rows_stepped = 0
+        self.tokens = self.prompt_tokens = self.steps = self.rows_stepped = self.prefill_steps = 0
         self.spec_tokens = self.spec_forwards = 0
         self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
@@ -214,10 +214,12 @@ class Metrics:
                   f"fastgen_speculative_tokens_per_forward {self.spec_tokens / max(self.spec_forwards, 1):.4f}",
                   "# TYPE fastgen_batch_slots gauge", f"fastgen_batch_slots {self.slots}",
                   "# TYPE fastgen_batch_rows_active gauge", f"fastgen_batch_rows_active {self.active}",
-                  "# HELP fastgen_batch_occupancy mean fraction of the batch's rows in use per batched step",
+                  "# HELP fastgen_batch_occupancy mean fraction of the batch's rows decoding per batched step",
                   "# TYPE fastgen_batch_occupancy gauge",
                   f"fastgen_batch_occupancy {self.rows_stepped / max(self.steps, 1) / self.slots:.4f}",
                   "# TYPE fastgen_batched_steps_total counter", f"fastgen_batched_steps_total {self.steps}",
+                  "# HELP fastgen_prefill_steps_total prompt-chunk forwards (one row each)",
+                  "# TYPE fastgen_prefill_steps_total counter", f"fastgen_prefill_steps_total {self.prefill_steps}",
                   "# TYPE fastgen_queue_depth gauge", f"fastgen_queue_depth {self.queued}",
                   "# HELP fastgen_compiled_graphs graphs torch.compile built in this process (constant after warm-up)",
                   "# TYPE fastgen_compiled_graphs gauge", f"fastgen_compiled_graphs {compiled_graphs()}"]
@@ -250,7 +252,7 @@ class Scheduler:
         # the last slot is scratch: padding and idle rows write it; every real position is below it
         generator.reserve(max_batch_size, max_seq_length + 1, "lower --max_batch_size or --max_seq_length")
         self.scratch = self.model.max_seq_length - 1
-        self.chunk = min(max(MIN_CHUNK, PREFILL_TOKENS // max_batch_size), max_seq_length)
+        self.chunk = min(PREFILL_TOKENS, max_seq_length)
         self.device = generator.device
         self.rows = [None] * max_batch_size
         self.waiting = collections.deque()
@@ -361,37 +363,72 @@ class Scheduler:
 
     @torch.no_grad()
     def step(self):
-        """One forward over all B rows: each prefilling row reads its next prompt chunk, each decoding row its
-        current token (column 0); padding and idle rows write only the scratch slot. Then one token per row that
-        has finished its prompt or decodes, drawn from that row's logits with its own settings."""
-        width = self.chunk if any(r is not None and r.prefilled < len(r.prompt_ids) for r in self.rows) else 1
-        x = torch.zeros(self.batch, width, dtype=torch.long)
-        pos = torch.full((self.batch, width), self.scratch, dtype=torch.long)
-        picks = []  # (request, column whose logits give its next token)
-        for r in self.rows:
-            if r is None:
-                continue
-            if r.prefilled < len(r.prompt_ids):
-                piece = r.prompt_ids[r.prefilled:r.prefilled + width]
-                x[r.slot, :len(piece)] = torch.tensor(piece)
-                pos[r.slot, :len(piece)] = torch.arange(r.prefilled, r.prefilled + len(piece))
-                r.prefilled += len(piece)
-                if r.prefilled == len(r.prompt_ids):
-                    picks.append((r, len(piece) - 1))
-            else:
-                x[r.slot, 0], pos[r.slot, 0] = r.tokens[-1], r.position
-                picks.append((r, 0))
+        """One prefill forward of one prompt chunk (if a row is prefilling), then one decode forward over all B rows
+        (if a row decodes)."""
+        prefilling = [r for r in self.rows if r is not None and r.prefilled < len(r.prompt_ids)]
+        if prefilling:
+            self.prefill(min(prefilling, key=lambda r: (r.slot != 0, r.submitted)))
+        if any(r is not None and r.prefilled == len(r.prompt_ids) for r in self.rows):
+            self.decode()
+
+    def to_row_0(self, r: Request):
+        """Move r to cache row 0, and row 0's request (if any) with its cache entries to r's row. A row-0 request
+        in the middle of its prompt is never moved (prefill picks it first), so r's own row holds nothing yet."""
+        if r.slot == 0:
+            return
+        other = self.rows[0]
+        if other is not None:
+            n = other.position if other.prefilled == len(other.prompt_ids) else other.prefilled  # cached entries
+            for layer in self.model.layers:
+                cache = layer.attention.kv_cache
+                cache.k_cache[r.slot, :, :n] = cache.k_cache[0, :, :n]
+                cache.v_cache[r.slot, :, :n] = cache.v_cache[0, :, :n]
+        with self.wake:
+            self.rows[0], self.rows[r.slot] = r, other
+            if other is not None:
+                other.slot = r.slot
+            r.slot = 0
+
+    def prefill(self, r: Request):
+        """The next chunk of r's prompt through a [1, chunk] forward on cache row 0: prefill computes only the row
+        that needs it (a [B, chunk] forward would compute every row's padding); at its end, r's first token."""
+        self.to_row_0(r)
+        piece = r.prompt_ids[r.prefilled:r.prefilled + self.chunk]
+        x = torch.zeros(1, self.chunk, dtype=torch.long)
+        pos = torch.full((1, self.chunk), self.scratch, dtype=torch.long)  # padding writes only the scratch slot
+        x[0, :len(piece)] = torch.tensor(piece)
+        pos[0, :len(piece)] = torch.arange(r.prefilled, r.prefilled + len(piece))
         pos = pos.to(self.device)
         with sdpa_context():
-            logits = self.engine.forward(x.to(self.device), pos, pos)  # [B, width, V]; slots = positions
+            logits = self.engine.forward(x.to(self.device), pos, pos)  # [1, chunk, V]; slots = positions
+        self.metrics.prefill_steps += 1
+        r.prefilled += len(piece)
+        if r.prefilled == len(r.prompt_ids):
+            self.pick([(r, logits[0, len(piece) - 1])])
+
+    def decode(self):
+        """One [B, 1] forward: each decoding row reads its current token; prefilling and idle rows write only the
+        scratch slot. Then one token per decoding row, drawn with its own settings."""
+        x = torch.zeros(self.batch, 1, dtype=torch.long)
+        pos = torch.full((self.batch, 1), self.scratch, dtype=torch.long)
+        live = [r for r in self.rows if r is not None and r.prefilled == len(r.prompt_ids)]
+        for r in live:
+            x[r.slot, 0], pos[r.slot, 0] = r.tokens[-1], r.position
+        pos = pos.to(self.device)
+        with sdpa_context():
+            logits = self.engine.forward(x.to(self.device), pos, pos)  # [B, 1, V]
         self.metrics.steps += 1
-        self.metrics.rows_stepped += sum(r is not None for r in self.rows)
-        if not picks:
+        self.metrics.rows_stepped += len(live)
+        self.pick([(r, logits[r.slot, 0]) for r in live])
+
+    def pick(self, rows: list):
+        """(request, its logits [V]) -> each request's next token: argmax, or drawn from its own generator."""
+        if not rows:
             return
-        rows = logits[[r.slot for r, _ in picks], [c for _, c in picks]].float()  # [n, V]
-        finite = torch.isfinite(rows).all(-1).tolist()
-        greedy = rows.argmax(-1).tolist()
-        for (r, _), row, ok, best in zip(picks, rows, finite, greedy):
+        logits = torch.stack([row for _, row in rows]).float()  # [n, V]
+        finite = torch.isfinite(logits).all(-1).tolist()
+        greedy = logits.argmax(-1).tolist()
+        for (r, _), row, ok, best in zip(rows, logits, finite, greedy):
             if not ok:
                 self.fail(r, ApiError(500, "the model's logits are NaN or infinite: its weights are broken",
                                       kind="server_error"))

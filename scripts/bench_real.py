@@ -13,7 +13,7 @@ reported as setup seconds (in-process graphs cold: a fresh inductor cache direct
 --fresh_graphs removes the stored graphs first, so setup is their build). For configurations with stored graphs,
 launch_s is a new process's `generate.py --compile` from launch to exit after one new token (an upper bound on
 launch to first token, the stored graphs loaded). x_llama_same_bits: int8 against llama.cpp Q8_0, int4 against
-Q4_1, the rest against llama.cpp's fastest.
+Q4_1 (int8-a8 / int4-a8 likewise), the rest against llama.cpp's fastest.
 """
 import argparse
 import os
@@ -33,6 +33,7 @@ import benchlib  # noqa: E402
 from benchlib import ROOT  # noqa: E402
 import decode  # noqa: E402
 import generation  # noqa: E402
+import quantize  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 QUESTIONS = ["What is the capital of France? Answer in two sentences.",
@@ -126,11 +127,14 @@ def main(argv=None):
     compiled = not args.no_compile
     int4_pth = benchlib.quantized_checkpoint(model_pth, "int4", 32)
     int8_pth = benchlib.quantized_checkpoint(model_pth, "int8")
+    a8 = {mode: (lambda mode=mode: benchlib.quantized_checkpoint(model_pth, mode, 32)) for mode in ("int8-a8", "int4-a8")}
     if args.fresh_graphs:
         shutil.rmtree(args.checkpoint_dir / "compiled", ignore_errors=True)
     launches = {"ours fp32": (model_pth,), "ours int8": (int8_pth,), "ours int4 g32": (int4_pth,),
                 "ours fp32, int4 draft chain K=5": (model_pth, int4_pth, 5),
-                "ours fp32, 3-gram K=5": (model_pth, None, 5, 3)}
+                "ours fp32, 3-gram K=5": (model_pth, None, 5, 3),
+                "ours int8-a8": (quantize.output_path(model_pth, {"mode": "int8-a8"}),),
+                "ours int4-a8 g32": (quantize.output_path(model_pth, {"mode": "int4-a8", "groupsize": 32}),)}
 
     configs = {  # name -> a function building (run, stats); built lazily, in turn order
         "ours fp32": lambda: ours(load(model_pth), compiled=compiled),
@@ -144,6 +148,13 @@ def main(argv=None):
                                                             compiled=compiled),
         "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled),
         "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4, compiled=compiled),
+        # 8-bit activations, integer dot products (kernels_a8.cpp)
+        "ours int8-a8": lambda: ours(load(a8["int8-a8"]()), compiled=compiled),
+        "ours int4-a8 g32": lambda: ours(load(a8["int4-a8"]()), compiled=compiled),
+        "ours fp32, int4-a8 draft chain K=5": lambda: ours(load(model_pth), load(a8["int4-a8"]()), 5,
+                                                           compiled=compiled),
+        "ours fp32, int8-a8 draft chain K=5": lambda: ours(load(model_pth), load(a8["int8-a8"]()), 5,
+                                                           compiled=compiled),
         # --compile autotune: stored graphs, every matmul shape timed against inductor's C++ GEMM templates
         "ours fp32 autotune": lambda: ours(load(model_pth), compiled=compiled, autotune=True),
         "ours int8 autotune": lambda: ours(load(int8_pth), compiled=compiled, autotune=True),

@@ -122,6 +122,7 @@ def real_model(args):
     copy = [tokenizer.chat_ids([{"role": "user", "content": f"Repeat this text exactly:\n\n{COPY_TEXT}"}])]
     mode = "none" if args.no_compile else ("autotune" if args.autotune else "auto")
     target = generation.load_model(model_pth)
+    eos = sorted(set(target.args.eos_token_ids) | set(tokenizer.eos_ids))  # --stop_at_eos: answers end there
     head = load_head(head_dir, target)
     plain_engine = decode.compile_engine(target, "cpu", mode)
     head_engine = decode.compile_engine(target, "cpu", mode, features=head.args.target_layers)
@@ -158,7 +159,7 @@ def real_model(args):
                     torch.manual_seed(turn)
                     t = time.perf_counter()
                     out, stats = generation.generate(engine, rows_in if batch > 1 else torch.tensor(ids),
-                                                     args.new_tokens, sampling, [], stop_at_eos=False,
+                                                     args.new_tokens, sampling, eos, stop_at_eos=args.stop_at_eos,
                                                      speculator=speculator)
                     if turn:
                         best[name][i] = min(best[name][i], time.perf_counter() - t)
@@ -256,6 +257,9 @@ def main(argv=None):
     p.add_argument("--prompt_tokens", type=int, default=96)
     p.add_argument("--copy_tokens", type=int, default=320, help="file tokens in a copy-task prompt")
     p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--stop_at_eos", action="store_true",
+                   help="real model: each answer ends at its end of turn, as a user sees it (default: exactly "
+                        "--new_tokens tokens)")
     p.add_argument("--k", type=int, default=5, help="draft depth for chain and tree")
     p.add_argument("--tree_nodes", default="16", help="the tree's N; comma-separated for several trees (the first "
                                                            "also sizes the merged and n-gram trees)")

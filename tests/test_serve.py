@@ -1,5 +1,6 @@
 """serve.py: the OpenAI API over continuous batching. Servers run in this process (uvicorn in a thread, a free
 loopback port); each answer is checked against the library's own output for that prompt alone."""
+import collections
 import dataclasses
 import http.client
 import json
@@ -27,7 +28,7 @@ KEY = "test-key"
 class Running:
     """A server on a free loopback port, started in this process."""
 
-    def __init__(self, checkpoint, *flags, api_key=KEY, slow: float = 0.0):
+    def __init__(self, checkpoint, *flags, api_key=KEY, slow: float = 0.0, chunk=None):
         self.args = serve.parse_args(["--checkpoint_path", str(checkpoint), "--port", "0", *map(str, flags)]
                                      + (["--api_key", api_key] if api_key else []))
         self.service = serve.Service(checkpoint.parent.name, api_key)
@@ -39,15 +40,18 @@ class Running:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
 
+        self.shapes = collections.Counter()  # the [rows, columns] of every batched forward
+
         def build():
             scheduler = serve.build_scheduler(self.args)
-            if slow:  # a slower model: every forward takes at least `slow` seconds
-                forward = scheduler.engine.forward
+            scheduler.chunk = chunk or scheduler.chunk  # short chunks: short prompts span several
+            forward = scheduler.engine.forward
 
-                def slow_forward(*a, **k):
-                    time.sleep(slow)
-                    return forward(*a, **k)
-                scheduler.engine = dataclasses.replace(scheduler.engine, forward=slow_forward)
+            def forward_seen(x, *a, **k):
+                self.shapes[tuple(x.shape)] += 1
+                time.sleep(slow)  # a slower model: every forward takes at least `slow` seconds
+                return forward(x, *a, **k)
+            scheduler.engine = dataclasses.replace(scheduler.engine, forward=forward_seen)
             return scheduler
         self.service.start(build)
         deadline = time.time() + 300
@@ -90,7 +94,7 @@ class Running:
 
 @pytest.fixture(scope="module")
 def server(random_target):
-    running = Running(random_target, "--max_batch_size", 4)
+    running = Running(random_target, "--max_batch_size", 4, chunk=16)
     yield running
     running.stop()
 
@@ -215,6 +219,8 @@ def test_sixteen_concurrent_clients_each_equal_the_library_alone(server, library
         tokens, want = alone(library, library.tokenizer.encode_prompt(prompt), n)
         assert (text, count) == (want, len(tokens)), prompt
     assert server.metric("fastgen_batch_occupancy") > 0.25  # rows were shared
+    # a prompt chunk is computed for its own row only ([1, C]); decoding runs the batch ([B, 1])
+    assert set(server.shapes) == {(1, 16), (4, 1)} and server.metric("fastgen_prefill_steps_total") >= 16
 
 
 def test_models_health_and_metrics(server):
