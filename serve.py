@@ -5,10 +5,10 @@ chat page. docs/serve.md explains the design.
     curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 Where a token comes from: the HTTP handlers check a request and queue it; one scheduler thread owns the model. At
-each step boundary it gives waiting requests free rows of a fixed batch, then runs ONE forward over all rows
-(Scheduler.step): [B, 1] when every row decodes, [B, chunk] while some row still reads its prompt (that row
-gets its next chunk, a decoding row its one token). Padding and idle rows write only a scratch cache slot past
-every real position, which no real query sees. Each row's token is drawn from its own logits with its own settings
+each step boundary it gives waiting requests free rows of a fixed batch, then runs a step (Scheduler.step): the
+next prompt chunk of one prefilling request, alone on cache row 0 ([1, width]), then one [B, 1] forward in which
+every decoding row feeds its current token. Padding and idle rows write only a scratch cache slot past every real
+position, which no real query sees. Each row's token is drawn from its own logits with its own settings
 and torch.Generator. A request alone in the batch (with a drafter configured) decodes through the library's
 speculative loop instead (Scheduler.speculate).
 """
@@ -40,10 +40,13 @@ from generation import Generator, Speculation  # noqa: E402
 
 log = logging.getLogger("serve")
 STATIC = Path(__file__).resolve().parent / "static"
-# prompt tokens of one prefill forward: a long prompt stalls the decoding rows for one such forward at a time
-# (docs/serve.md)
-PREFILL_TOKENS = 128
+# prompt tokens of one prefill forward: a long prompt stalls the decoding rows for one such forward at a time; a
+# shorter piece is padded to the next of these widths only, each a graph compiled at warm-up (docs/serve.md)
+PREFILL_WIDTHS = (16, 32, 64, 128)
 MAX_STOP_STRINGS = 4
+# a request body larger than this (a context of 100k+ tokens is well under it) or slower to arrive is refused before
+# it is read whole: a huge or endless body never fills the memory or holds a connection
+MAX_BODY_BYTES, BODY_SECONDS = 4 << 20, 30.0
 
 
 class ApiError(Exception):
@@ -240,8 +243,8 @@ class Yield(Exception):
 
 class Scheduler:
     """A fixed batch of `max_batch_size` rows over one model; requests join at step boundaries and leave when done.
-    Shapes never change ([B, 1] decode, [B, chunk] prefill, one verify shape when speculating), so compiled graphs
-    are built once, by warm_up()."""
+    Shapes come from a fixed set ([B, 1] decode, [1, w] prefill for w in PREFILL_WIDTHS, the speculative loop's own),
+    so compiled graphs are built once, by warm_up()."""
 
     def __init__(self, generator: Generator, max_batch_size: int, max_queue: int, max_seq_length: int):
         self.generator, self.engine, self.model = generator, generator.target, generator.model
@@ -252,7 +255,8 @@ class Scheduler:
         # the last slot is scratch: padding and idle rows write it; every real position is below it
         generator.reserve(max_batch_size, max_seq_length + 1, "lower --max_batch_size or --max_seq_length")
         self.scratch = self.model.max_seq_length - 1
-        self.chunk = min(PREFILL_TOKENS, max_seq_length)
+        self.widths = sorted({min(w, max_seq_length) for w in PREFILL_WIDTHS})
+        self.chunk = self.widths[-1]
         self.device = generator.device
         self.rows = [None] * max_batch_size
         self.waiting = collections.deque()
@@ -394,8 +398,9 @@ class Scheduler:
         that needs it (a [B, chunk] forward would compute every row's padding); at its end, r's first token."""
         self.to_row_0(r)
         piece = r.prompt_ids[r.prefilled:r.prefilled + self.chunk]
-        x = torch.zeros(1, self.chunk, dtype=torch.long)
-        pos = torch.full((1, self.chunk), self.scratch, dtype=torch.long)  # padding writes only the scratch slot
+        width = next((w for w in self.widths if w >= len(piece)), self.chunk)
+        x = torch.zeros(1, width, dtype=torch.long)
+        pos = torch.full((1, width), self.scratch, dtype=torch.long)  # padding writes only the scratch slot
         x[0, :len(piece)] = torch.tensor(piece)
         pos[0, :len(piece)] = torch.arange(r.prefilled, r.prefilled + len(piece))
         pos = pos.to(self.device)
@@ -494,12 +499,14 @@ class Scheduler:
         self.metrics.spec_forwards += forwards[0]
 
     def warm_up(self):
-        """Requests that run every shape the server uses (a chunked prefill, batched decode, a speculative run),
+        """Requests that run every shape the server uses (each prefill width, batched decode, a speculative run),
         so that compilation happens before /health says ready."""
         prompt = self.tokenizer.encode_prompt("Hello, my name is")[: max(1, self.context // 4)]
         n = min(12, self.context - len(prompt))
-        for together in (min(2, self.batch), 1):  # batched decode, then a lone request (speculative, if drafting)
-            requests = [Request(list(prompt), n, Sampling(0.0)) for _ in range(together)]
+        # batched decode, then lone requests (speculative, if drafting) whose prompts fill each prefill width
+        runs = [[prompt] * min(2, self.batch)] + [[(prompt * w)[:min(w, self.context - n)]] for w in self.widths]
+        for prompts in runs:
+            requests = [Request(list(p), n, Sampling(0.0)) for p in prompts]
             for r in requests:
                 self.submit(r)
             while any(r.finish_reason is None and r.error is None for r in requests):
@@ -669,9 +676,11 @@ def create_app(service: Service):
         service.check_key(request)
         service.check_ready()
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
         model = body.get("model")
@@ -763,6 +772,30 @@ def create_app(service: Service):
     ], exception_handlers={ApiError: api_error, HTTPException: http_error})
     app.state.service = service
     return app
+
+
+async def read_body(request) -> bytes:
+    """The body, refused with 413 past MAX_BODY_BYTES (by its Content-Length, or as it streams in) and with 408 if it
+    takes longer than BODY_SECONDS to arrive."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body has {int(length)} bytes; this server reads at most {MAX_BODY_BYTES}",
+                       None, "request_too_large")
+    chunks, size = [], 0
+
+    async def read():
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes, the most this server reads",
+                               None, "request_too_large")
+            chunks.append(chunk)
+    try:
+        await asyncio.wait_for(read(), BODY_SECONDS)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {BODY_SECONDS:g} s", None, "request_timeout") from None
+    return b"".join(chunks)
 
 
 async def watch_disconnect(request, r: Request, scheduler: Scheduler, events: asyncio.Queue):

@@ -44,7 +44,8 @@ class Running:
 
         def build():
             scheduler = serve.build_scheduler(self.args)
-            scheduler.chunk = chunk or scheduler.chunk  # short chunks: short prompts span several
+            if chunk:  # short chunks of one width: short prompts span several
+                scheduler.chunk, scheduler.widths = chunk, [chunk]
             forward = scheduler.engine.forward
 
             def forward_seen(x, *a, **k):
@@ -259,6 +260,7 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", 3]}, 400, "stop"),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested past the JSON parser's recursion
 ]
 
 
@@ -270,6 +272,29 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, status, param):
     error = reply["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert error["type"] == "invalid_request_error" and (param is None or param.split("[")[0] in error["message"])
+
+
+def test_huge_and_slow_bodies_are_refused_before_they_are_read_whole(server, monkeypatch):
+    """413 for a body over the limit (by its Content-Length, or as a chunked body streams in), 408 for a body that
+    does not arrive in time; the server answers the next request as before."""
+    monkeypatch.setattr(serve, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(serve, "BODY_SECONDS", 0.5)
+    body = json.dumps({"prompt": "x" * 2000, "max_tokens": 2}).encode()
+    status, reply = server.post("/v1/completions", None, raw=body)
+    assert status == 413 and reply["error"]["code"] == "request_too_large" and "1000" in reply["error"]["message"]
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)  # chunked: no Content-Length
+    connection.request("POST", "/v1/completions", iter([body[:600], body[600:]]),
+                       {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, encode_chunked=True)
+    response = connection.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    connection.close()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:  # promises 100 bytes, sends 10
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\":".encode())
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
+    monkeypatch.undo()
+    assert server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
 
 
 def test_api_key_is_required(server):
