@@ -866,7 +866,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_batch_size", type=int, default=8, help="rows decoded together (continuous batching)")
     p.add_argument("--max_queue", type=int, default=64, help="requests that may wait for a row; more get 429")
     p.add_argument("--max_seq_length", type=int, default=None,
-                   help="tokens per request, prompt + completion (default: the model's context, at most 4096)")
+                   help="tokens per request, prompt + completion (default: the model's context, at most 4096); "
+                        "every decode step attends over this many cache slots, so size it to your requests")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api_key", default=None, help="require `Authorization: Bearer KEY`")
