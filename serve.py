@@ -383,15 +383,19 @@ class Scheduler:
         other = self.rows[0]
         if other is not None:
             n = other.position if other.prefilled == len(other.prompt_ids) else other.prefilled  # cached entries
-            for layer in self.model.layers:
-                cache = layer.attention.kv_cache
-                cache.k_cache[r.slot, :, :n] = cache.k_cache[0, :, :n]
-                cache.v_cache[r.slot, :, :n] = cache.v_cache[0, :, :n]
+            self.copy_cache(0, r.slot, n)
         with self.wake:
             self.rows[0], self.rows[r.slot] = r, other
             if other is not None:
                 other.slot = r.slot
             r.slot = 0
+
+    def copy_cache(self, source: int, target: int, n: int):
+        """Cache row `source`'s first n slots (keys and values of every layer) into row `target`."""
+        for layer in self.model.layers:
+            cache = layer.attention.kv_cache
+            cache.k_cache[target, :, :n] = cache.k_cache[source, :, :n]
+            cache.v_cache[target, :, :n] = cache.v_cache[source, :, :n]
 
     def prefill(self, r: Request):
         """The next chunk of r's prompt through a [1, chunk] forward on cache row 0: prefill computes only the row
@@ -452,10 +456,7 @@ class Scheduler:
         """Decode the lone request r with the library's speculator, which runs on cache row 0 (r moves there
         first) until r finishes or someone else waits; then batched decoding takes over from the cache it left."""
         if r.slot != 0:
-            for layer in self.model.layers:  # the context's keys/values, once; row r.slot is free afterwards
-                cache = layer.attention.kv_cache
-                cache.k_cache[0, :, :r.position] = cache.k_cache[r.slot, :, :r.position]
-                cache.v_cache[0, :, :r.position] = cache.v_cache[r.slot, :, :r.position]
+            self.copy_cache(r.slot, 0, r.position)  # the context's keys/values, once; row r.slot is free afterwards
             with self.wake:
                 self.rows[r.slot], self.rows[0], r.slot = None, r, 0
         forwards = [0]
