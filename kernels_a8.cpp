@@ -10,7 +10,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -60,14 +59,12 @@ struct Activations {
   std::vector<float> d;      // [M, Kp / 32]
   std::vector<int32_t> sum;  // [M, Kp / 32] the sum of each block's q
   std::vector<float> dexp;   // [M, Kp / 64, 16]
-  std::vector<float> texp;   // [M, Kp / 64, 16] like dexp: d * sum(q in block) / 8, a block's share of each lane
   std::vector<float> dsum;   // [M] sum_b d[b] * sum(q in b)
   std::vector<float> t;      // [M, K / G rounded up to 16] per weight group: sum_{b in g} d[b] * sum(q in b) (int4)
   const int8_t* qrow(int64_t m) const { return q.data() + m * Kp; }
   const float* drow(int64_t m) const { return d.data() + m * (Kp / BLOCK); }
   const int32_t* sumrow(int64_t m) const { return sum.data() + m * (Kp / BLOCK); }
   const float* dexprow(int64_t m) const { return dexp.data() + m * (Kp / CHUNK) * 16; }
-  const float* texprow(int64_t m) const { return texp.data() + m * (Kp / CHUNK) * 16; }
   int64_t tstride = 0;
   const float* trow(int64_t m) const { return t.data() + m * tstride; }
 
@@ -84,7 +81,7 @@ struct Activations {
 Activations quantize_activations(const at::Tensor& x, int64_t Kp) {
   const int64_t M = x.size(0), K = x.size(1), blocks = Kp / BLOCK;
   Activations a{Kp, std::vector<int8_t>(M * Kp), std::vector<float>(M * blocks), std::vector<int32_t>(M * blocks),
-                std::vector<float>(M * blocks * 8), std::vector<float>(M * blocks * 8), std::vector<float>(M), {}};
+                std::vector<float>(M * blocks * 8), std::vector<float>(M), {}};
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
@@ -107,7 +104,6 @@ Activations quantize_activations(const at::Tensor& x, int64_t Kp) {
       a.d[m * blocks + b] = d;
       a.sum[m * blocks + b] = sum;
       std::fill_n(a.dexp.data() + m * blocks * 8 + b * 8, 8, d);
-      std::fill_n(a.texp.data() + m * blocks * 8 + b * 8, 8, d * float(sum) / 8.f);
       a.dsum[m] += d * float(sum);
     }
   }
@@ -128,10 +124,12 @@ inline float bf16(uint16_t v) {
 // beside it. out[j][i] is row m0 + j of x times weight row i.
 
 constexpr int NR = 4;
-constexpr int64_t AHEAD = 8 * NR;  // weight rows ahead of the tile that a step asks the memory for (short rows: the
+constexpr int64_t AHEAD = 4 * NR;  // weight rows ahead of the tile that a step asks the memory for (short rows: the
                                    // hardware prefetchers alone leave much of the bandwidth unused)
 
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+// into L2, not L1: a core has few L1 miss buffers, and prefetches holding them capped a thread's stream (with
+// prefetches into L1 the products moved 13 GB/s on two threads, into L2 18-22: scripts/bench_a8.py)
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 template <int R>
 void int8_tile_portable(const int8_t* const* w, const Activations& a, int64_t m0, float (*out)[NR]) {
@@ -308,18 +306,32 @@ AVX2 void int4_tile_avx2(const Int4Tile& w, const Activations& a, int64_t m0, fl
     for (int i = 0; i < NR; ++i) out[j][i] = hsum256(acc[j][i]) + int4_offset_avx2(w.rows[i], w.groups, a, m0 + j);
 }
 
-// The bf16 values (scales or zeros) of the 16 lanes of vector h of the 128-input step whose first group is g0: lanes
-// 0-7 dot its first block, lanes 8-15 its second. G = 32: two groups, both from one 32-bit load, each moved to the
-// top half of its lanes (a bf16 value is the top half of a float32); larger G: one group.
-AVX512 inline __m512 half_values(const uint16_t* v, int64_t g0, int h, int64_t G, int64_t groups) {
+// The bf16 scales of the 16 lanes of vector h of the 128-input step whose first group is g0: lanes 0-7 dot its first
+// block, lanes 8-15 its second. G = 32: two groups from one 32-bit broadcast, a byte shuffle moving each to the top
+// half of its lanes (a bf16 value is the top half of a float32); larger G: one group.
+AVX512 inline __m512 half_scales(const uint16_t* v, int64_t g0, int h, int64_t G, int64_t groups) {
   const int64_t g = G == BLOCK ? g0 + 2 * h : G == 2 * BLOCK ? g0 + h : g0;
   if (G != BLOCK || g + 1 >= groups)  // (past the last group: a padding block, whose dot products are zero)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi32(v[std::min(g, groups - 1)]), 16));
   int32_t pair;
   std::memcpy(&pair, v + g, 4);
-  const __m512i both = _mm512_set1_epi32(pair);
-  return _mm512_castsi512_ps(
-      _mm512_mask_slli_epi32(_mm512_and_si512(both, _mm512_set1_epi32(int32_t(0xFFFF0000))), 0x00FF, both, 16));
+  const __m512i to_top = _mm512_set_epi32(0x03028080, 0x03028080, 0x03028080, 0x03028080, 0x03028080, 0x03028080,
+                                          0x03028080, 0x03028080, 0x01008080, 0x01008080, 0x01008080, 0x01008080,
+                                          0x01008080, 0x01008080, 0x01008080, 0x01008080);
+  return _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi32(pair), to_top));
+}
+
+AVX512 inline __m512 bf16x16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+// the second term, sum_g (z[g] - 8 s[g]) * T[g], once per row: in the loop over the inputs it cost as much as the dots
+AVX512 float int4_offset_avx512(const Int4Row& w, int64_t groups, const Activations& a, int64_t m) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 k = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+    const __m512 s = bf16x16(_mm256_maskz_loadu_epi16(k, w.s + g)), z = bf16x16(_mm256_maskz_loadu_epi16(k, w.z + g));
+    acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z), _mm512_maskz_loadu_ps(k, a.trow(m) + g), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
 }
 
 template <int R>
@@ -333,23 +345,19 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
     const int64_t g0 = c * 128 / w.G;
     for (int h = 0; h < 2; ++h) {
       __m512i u[NR];
-      __m512 s[NR], zs[NR];
+      __m512 s[NR];
       for (int i = 0; i < NR; ++i) {
         if (h == 0) prefetch(w.rows[i].u + c * 64 + AHEAD * w.Kp / 2);
         const __m512i bytes = _mm512_loadu_si512(w.rows[i].u + c * 64);
         u[i] = _mm512_and_si512(h ? _mm512_srli_epi16(bytes, 4) : bytes, low);
-        s[i] = half_values(w.rows[i].s, g0, h, w.G, w.groups);
-        zs[i] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[i], half_values(w.rows[i].z, g0, h, w.G, w.groups));
+        s[i] = half_scales(w.rows[i].s, g0, h, w.G, w.groups);
       }
       for (int j = 0; j < R; ++j) {
         const __m512i q = _mm512_loadu_si512(a.qrow(m0 + j) + c * 128 + h * 64);
         const __m512 d = _mm512_loadu_ps(a.dexprow(m0 + j) + (2 * c + h) * 16);
-        const __m512 t = _mm512_loadu_ps(a.texprow(m0 + j) + (2 * c + h) * 16);
-        for (int i = 0; i < NR; ++i) {  // the second term lane by lane: (z - 8 s) * T spread over its block's lanes
-          acc[j][i] = _mm512_fmadd_ps(zs[i], t, acc[j][i]);
+        for (int i = 0; i < NR; ++i)
           acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[i], q)),
                                       _mm512_mul_ps(s[i], d), acc[j][i]);
-        }
       }
     }
   }
@@ -357,32 +365,29 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
     const int64_t first = steps * 128, g0 = first / w.G;
     const __m256i low256 = _mm256_set1_epi8(15);
     __m512i u[NR];
-    __m512 s[NR], zs[NR];
+    __m512 s[NR];
     for (int i = 0; i < NR; ++i) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i].u + steps * 64));
       u[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low256)),
                                 _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low256), 1);
-      s[i] = half_values(w.rows[i].s, g0, 0, w.G, w.groups);
-      zs[i] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[i], half_values(w.rows[i].z, g0, 0, w.G, w.groups));
+      s[i] = half_scales(w.rows[i].s, g0, 0, w.G, w.groups);
     }
     for (int j = 0; j < R; ++j) {
       const __m512i q = _mm512_loadu_si512(a.qrow(m0 + j) + first);
       const __m512 d = _mm512_loadu_ps(a.dexprow(m0 + j) + 2 * steps * 16);
-      const __m512 t = _mm512_loadu_ps(a.texprow(m0 + j) + 2 * steps * 16);
-      for (int i = 0; i < NR; ++i) {
-        acc[j][i] = _mm512_fmadd_ps(zs[i], t, acc[j][i]);
+      for (int i = 0; i < NR; ++i)
         acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[i], q)),
                                     _mm512_mul_ps(s[i], d), acc[j][i]);
-      }
     }
   }
   for (int j = 0; j < R; ++j)
-    for (int i = 0; i < NR; ++i) out[j][i] = _mm512_reduce_add_ps(acc[j][i]);
+    for (int i = 0; i < NR; ++i)
+      out[j][i] = _mm512_reduce_add_ps(acc[j][i]) + int4_offset_avx512(w.rows[i], w.groups, a, m0 + j);
 }
 
 // ----------------------------------------------------------------------------- int8 weights, float32 activations
-// y[m, n] = s[n] * sum_k w[n, k] x[m, k] in float32: the weight-only int8 scheme without rounding the activations
-// (x rows padded with zeros to Kp). Not used by a scheme yet: scripts/bench_a8.py measures it beside the others.
+// y[m, n] = s[n] * sum_k w[n, k] x[m, k] in float32 (x rows padded with zeros to Kp): the weight-only int8 scheme's CPU
+// kernel (Int8Linear), which does not round the activations.
 
 template <int R>
 void f32_tile_portable(const int8_t* const* w, const float* x, int64_t Kp, float (*out)[NR]) {
@@ -401,8 +406,10 @@ AVX2 void f32_tile_avx2(const int8_t* const* w, const float* x, int64_t Kp, floa
     for (int i = 0; i < NR; ++i) acc[j][i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < Kp; k += 8) {
     __m256 wv[NR];
-    for (int i = 0; i < NR; ++i)
+    for (int i = 0; i < NR; ++i) {
+      if (k % 64 == 0) prefetch(w[i] + k + AHEAD * Kp);
       wv[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[i] + k))));
+    }
     for (int j = 0; j < R; ++j) {
       const __m256 xv = _mm256_loadu_ps(x + j * Kp + k);
       for (int i = 0; i < NR; ++i) acc[j][i] = _mm256_fmadd_ps(wv[i], xv, acc[j][i]);
@@ -434,17 +441,18 @@ AVX512 void f32_tile_avx512(const int8_t* const* w, const float* x, int64_t Kp, 
 
 // ----------------------------------------------------------------------------- operators
 
-// fn(n0, n1) over the weight rows [0, N) in tasks of about 16 KiB of weights (whole tiles) that the threads take in
-// turn: a thread slowed down (a core shared with another process) holds up no fixed share of the rows; products under
-// 64 KiB stay on the calling thread
+// fn(n0, n1) over the weight rows [0, N): one contiguous share of whole tiles per thread, so that each thread reads
+// one long stream that its prefetches run ahead of (small tasks taken in turn moved 13-18 GB/s where this moves 22);
+// products under 64 KiB stay on the calling thread
 template <typename F>
 void over_rows(int64_t N, int64_t row_bytes, const F& fn) {
-  const int64_t rows = std::max<int64_t>(1, (16 << 10) / row_bytes / NR) * NR, tasks = (N + rows - 1) / rows;
-  const int64_t threads = N * row_bytes < (64 << 10) ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  const int64_t tiles = (N + NR - 1) / NR;
+  const int64_t threads = N * row_bytes < (64 << 10) ? 1 : std::min<int64_t>(at::get_num_threads(), tiles);
   if (threads <= 1) return fn(0, N);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next++; t < tasks; t = next++) fn(t * rows, std::min(N, (t + 1) * rows));
+  const int64_t share = (tiles + threads - 1) / threads * NR;
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      if (t * share < N) fn(t * share, std::min(N, (t + 1) * share));
   });
 }
 
