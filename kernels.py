@@ -95,6 +95,7 @@ _LIBRARY.define("a8_int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tenso
 _LIBRARY.define("a8_int4_linear(Tensor x, Tensor weight, Tensor scales_and_zeros, int groupsize) -> Tensor")
 _LIBRARY.define("a8_quantize(Tensor x, int padded) -> (Tensor, Tensor)")
 _LIBRARY.define("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor")  # float32 x, int8-a8's weight layout
+_LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")  # kernels_a8.cpp
 
 
 @torch.library.register_fake("fastgen::a8_int8_linear")
@@ -105,6 +106,11 @@ def _(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 @torch.library.register_fake("fastgen::int8_linear")
 def _(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("fastgen::attention")
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("fastgen::a8_int4_linear")
@@ -136,4 +142,25 @@ def a8_kernels() -> bool:
               f"install a C++ compiler and ninja (the ones torch.compile uses) for the integer kernels",
               file=sys.stderr)
         return False
+    global A8_BUILT
+    A8_BUILT = True
     return True
+
+
+A8_BUILT = False  # a8_kernels() succeeded: what a graph being traced reads (dynamo would trace a8_kernels' build)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(D), where mask) v for grouped queries: q [B, H, G * T, D] (row g * T + t: query head g of
+    kv head h's group, token t), k and v [B, H, S, D], mask [B or 1, 1, T, S] bool. On the CPU in float32,
+    kernels_a8.cpp's operator (a few tokens: its own kernel, reading only the keys the mask allows; more: ATen's on the
+    keys up to the last allowed); elsewhere scaled_dot_product_attention on the mask repeated per query head. A graph
+    traced before any eager call to a8_kernels() takes the latter (Transformer.setup_caches makes that call)."""
+    if q.device.type == "cpu" and q.dtype == torch.float32 \
+            and (A8_BUILT if torch.compiler.is_compiling() else a8_kernels()):
+        return torch.ops.fastgen.attention(q, k, v, mask)
+    B, _, rows, _ = q.shape
+    T = mask.shape[2]
+    if rows > T:
+        mask = mask.unsqueeze(2).expand(B, 1, rows // T, T, mask.shape[-1]).reshape(B, 1, rows, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -5,6 +5,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -439,6 +442,130 @@ AVX512 void f32_tile_avx512(const int8_t* const* w, const float* x, int64_t Kp, 
     for (int i = 0; i < NR; ++i) out[j][i] = _mm512_reduce_add_ps(acc[j][i]);
 }
 
+// ----------------------------------------------------------------------------- attention over the KV cache
+// Grouped-query attention of a few query tokens (decode, verification) with a bool mask, without ATen's flash kernel's
+// fixed cost per call (its blocking and buffers cost 40-80 us per layer where the arithmetic takes under 10) and
+// reading only the keys from the first to the last that a token may see (a long cache mostly empty costs nothing).
+// The G query heads of a kv head that share a token share its mask row, so they are one task; per row the scores of
+// 16 keys come from 16 dot products reduced in one transpose, then softmax and the values weighted row by row.
+
+AVX512 inline __m512 exp512(__m512 x) {  // e^x to float32 rounding (a degree-7 polynomial of the reduced argument)
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), 0);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: r exact to float32
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// the sums of the 16 vectors a[0..15], lane i holding a[i]'s
+AVX512 inline __m512 sums16(const __m512* a) {
+  __m512 v[4];
+  for (int g = 0; g < 4; ++g) {
+    const __m512* b = a + 4 * g;
+    const __m512 t = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+    const __m512 u = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+    v[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t), _mm512_castps_pd(u))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t), _mm512_castps_pd(u))));
+  }  // v[g]: per 128-bit lane, the partial sums of a[4g .. 4g + 3] over that lane
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x88), _mm512_shuffle_f32x4(v[2], v[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+struct AttentionTask {
+  const float* q;   // row g of the task at q + g * qstride, D floats
+  const float* k;   // [S, D]
+  const float* v;   // [S, D]
+  const bool* m;    // [S]
+  float* out;       // row g at out + g * qstride
+  int64_t rows, qstride, D, lo, hi;
+};
+
+template <int NV>  // out rows g0 .. g0 + R of the task, NV vectors of 16 starting at column c0
+AVX512 void weigh_values(const AttentionTask& w, const float* p, int64_t n, const float* inv, int64_t g0, int R,
+                         int64_t c0) {
+  constexpr int RB = 24 / NV;
+  for (int64_t r0 = 0; r0 < R; r0 += RB) {
+    const int rb = int(std::min<int64_t>(RB, R - r0));
+    __m512 acc[RB][NV];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; ++s) {
+      if (!w.m[w.lo + s]) continue;
+      const float* vr = w.v + (w.lo + s) * w.D + c0;
+      __m512 vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+      for (int r = 0; r < rb; ++r) {
+        const __m512 pr = _mm512_set1_ps(p[(g0 + r0 + r) * n + s]);
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < rb; ++r)
+      for (int c = 0; c < NV; ++c)
+        _mm512_storeu_ps(w.out + (g0 + r0 + r) * w.qstride + c0 + 16 * c,
+                         _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[g0 + r0 + r])));
+  }
+}
+
+AVX512 void attend_avx512(const AttentionTask& w, float scale) {
+  const int64_t n = w.hi - w.lo, blocks = (n + 15) / 16, D = w.D;
+  std::vector<float> p(w.rows * blocks * 16), inv(w.rows);
+  for (int64_t g = 0; g < w.rows; ++g) {
+    const float* qr = w.q + g * w.qstride;
+    float* pr = p.data() + g * n;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t s0 = w.lo + 16 * b, keys = std::min<int64_t>(16, w.hi - s0);
+      const __mmask16 valid = keys == 16 ? __mmask16(0xFFFF) : __mmask16((1u << keys) - 1);
+      const __m128i mb = _mm_maskz_loadu_epi8(valid, w.m + s0);
+      const __mmask16 allowed = _mm_test_epi8_mask(mb, mb);
+      __m512 sc = _mm512_set1_ps(-INFINITY);
+      if (allowed) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        const float* kr[16];  // (past the last key: the last again, its score masked)
+        for (int i = 0; i < 16; ++i) kr[i] = w.k + std::min(s0 + i, w.hi - 1) * D;
+        for (int64_t c = 0; c < D; c += 16) {
+          const __m512 qc = _mm512_loadu_ps(qr + c);
+          for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kr[i] + c), acc[i]);
+        }
+        sc = _mm512_mask_mul_ps(sc, allowed, sums16(acc), _mm512_set1_ps(scale));
+      }
+      mx = _mm512_max_ps(mx, sc);
+      _mm512_storeu_ps(pr + 16 * b, sc);  // (p has room for the last block's 16)
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    if (top == -INFINITY) {  // no key allowed: zeros, as ATen's kernels give
+      std::fill_n(pr, n, 0.f);
+      inv[g] = 0.f;
+      continue;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t keys = std::min<int64_t>(16, n - 16 * b);
+      const __mmask16 valid = keys == 16 ? __mmask16(0xFFFF) : __mmask16((1u << keys) - 1);
+      const __m512 sc = _mm512_loadu_ps(pr + 16 * b);
+      const __mmask16 live = _mm512_mask_cmp_ps_mask(valid, sc, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(top))));
+      _mm512_storeu_ps(pr + 16 * b, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  // rows are n apart in p (each row's last block spills into the next row's first: written before it is read again)
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    switch (std::min<int64_t>(4, (D - c0) / 16)) {
+      case 4: weigh_values<4>(w, p.data(), n, inv.data(), 0, int(w.rows), c0); break;
+      case 3: weigh_values<3>(w, p.data(), n, inv.data(), 0, int(w.rows), c0); break;
+      case 2: weigh_values<2>(w, p.data(), n, inv.data(), 0, int(w.rows), c0); break;
+      default: weigh_values<1>(w, p.data(), n, inv.data(), 0, int(w.rows), c0); break;
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------- operators
 
 // fn(n0, n1) over the weight rows [0, N): one contiguous share of whole tiles per thread, so that each thread reads
@@ -589,6 +716,63 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y;
 }
 
+// softmax(q k^T / sqrt(D), where mask) v. q [B, H, G * T, D] float32 (row g * T + t: query head g of kv head h's
+// group, token t), k and v [B, H, S, D] (the cache), mask [B or 1, 1, T, S] bool. Own kernel for T <= 16 on AVX-512;
+// otherwise (prefill, other CPUs) ATen's, on the keys up to the last any token may see.
+at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask_in) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: float32 [B, H, G * T, D]");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && k.size(0) == q_in.size(0) && k.size(1) == q_in.size(1) &&
+                  k.size(3) == q_in.size(3),
+              "k, v: float32 [B, H, S, D]");
+  const int64_t B = q_in.size(0), H = q_in.size(1), R = q_in.size(2), D = q_in.size(3), S = k.size(2);
+  TORCH_CHECK(mask_in.dim() == 4 && mask_in.scalar_type() == at::kBool && mask_in.size(3) == S && mask_in.size(2) > 0 &&
+                  R % mask_in.size(2) == 0 && (mask_in.size(0) == B || mask_in.size(0) == 1),
+              "mask: bool [B, 1, T, S], T dividing the query rows");
+  const int64_t T = mask_in.size(2), G = R / T;
+  const at::Tensor mask = mask_in.expand({B, 1, T, S}).contiguous();
+  const bool* mp = mask.data_ptr<bool>();
+  // per (b, t): the first and one past the last key the token may see
+  std::vector<int64_t> lo(B * T), hi(B * T);
+  int64_t last = 0;
+  for (int64_t i = 0; i < B * T; ++i) {
+    const bool* row = mp + i * S;
+    const void* first = std::memchr(row, 1, S);
+    lo[i] = first ? static_cast<const bool*>(first) - row : 0;
+    const void* end = first ? memrchr(row, 1, S) : nullptr;
+    hi[i] = end ? static_cast<const bool*>(end) - row + 1 : 0;
+    last = std::max(last, hi[i]);
+  }
+  if (last == 0) return at::zeros_like(q_in);  // no token sees any key (ATen's kernels give zeros too)
+  if (T > 16 || D % 16 || !k.is_contiguous() || !v.is_contiguous() || isa() != AVX512_VNNI) {
+    const at::Tensor m = mask.narrow(3, 0, last).unsqueeze(2).expand({B, 1, G, T, last}).reshape({B, 1, R, last});
+    return at::scaled_dot_product_attention(q_in, k.narrow(2, 0, last), v.narrow(2, 0, last), m).contiguous();
+  }
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor out = at::empty_like(q);
+  const float scale = 1.f / std::sqrt(float(D));
+  const int64_t tasks = B * H * T;
+  auto run = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (H * T), h = i / T % H, t = i % T;
+      if (hi[b * T + t] == 0) {  // a token that sees no key: zeros
+        for (int64_t g = 0; g < G; ++g) std::fill_n(out.data_ptr<float>() + ((b * H + h) * R + g * T + t) * D, D, 0.f);
+        continue;
+      }
+      const AttentionTask w{q.data_ptr<float>() + ((b * H + h) * R + t) * D, k.data_ptr<float>() + (b * H + h) * S * D,
+                            v.data_ptr<float>() + (b * H + h) * S * D, mp + (b * T + t) * S,
+                            out.data_ptr<float>() + ((b * H + h) * R + t) * D, G, T * D, D, lo[b * T + t],
+                            hi[b * T + t]};
+      attend_avx512(w, scale);
+    }
+  };
+  int64_t work = 0;  // keys read in all
+  for (int64_t i = 0; i < B * T; ++i) work += hi[i] - lo[i];
+  if (work * H * G * D < (1 << 16)) run(0, tasks);
+  else at::parallel_for(0, tasks, 1, run);
+  return out;
+}
+
 // the activations as the kernels quantize them: (q [M, Kp] int8, d [M, Kp / 32] float32), for tests
 std::tuple<at::Tensor, at::Tensor> a8_quantize(const at::Tensor& x, int64_t Kp) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && Kp % CHUNK == 0 && Kp >= x.size(1),
@@ -611,6 +795,7 @@ TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
   m.impl("a8_int4_linear", &a8_int4_linear);
   m.impl("a8_quantize", &a8_quantize);
   m.impl("int8_linear", &int8_linear);
+  m.impl("attention", &attention);
 }
 
 TORCH_LIBRARY_FRAGMENT(fastgen, m) { m.def("a8_isa() -> str", &a8_isa); }

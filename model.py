@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from errors import UserError
-from kernels import pack_weight, packed_linear
+from kernels import a8_kernels, attention, pack_weight, packed_linear
 
 
 @dataclass
@@ -253,12 +253,10 @@ class Attention(nn.Module):
         v = v.view(B, T, n_kv, self.head_dim)
         keys, values = self.kv_cache.update(slots, k, v)
         # grouped-query attention without copying the cache: fold the query heads of a group into
-        # the sequence dimension, [B, n_kv, group * T, D], and repeat the mask to match
+        # the sequence dimension, [B, n_kv, group * T, D] (the mask rows are shared within a group)
         group = n_q // n_kv
         q = q.view(B, T, n_kv, group, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, n_kv, group * T, -1)
-        if group > 1:
-            mask = mask.unsqueeze(2).expand(B, 1, group, T, mask.shape[-1]).reshape(B, 1, group * T, -1)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = attention(q, keys, values, mask)
         y = y.view(B, n_kv, group, T, self.head_dim).permute(0, 3, 1, 2, 4).reshape(B, T, n_q * self.head_dim)
         return self.wo(y)
 
@@ -306,6 +304,8 @@ class Transformer(nn.Module):
         if self.max_batch_size >= max_batch_size and self.max_seq_length >= max_seq_length:
             return
         max_seq_length = self.cache_length(max_seq_length)
+        if self.tok_embeddings.weight.device.type == "cpu":
+            a8_kernels()  # built (once per source) before a graph traces attention, which cannot build it
         dtype = dtype or self.tok_embeddings.weight.dtype
         if not dtype.is_floating_point:  # quantized embeddings keep their scales' dtype
             dtype = torch.float32

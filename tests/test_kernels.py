@@ -292,3 +292,78 @@ def test_int8_weights_times_float32_activations(isa, M, N, K):
     want = x.double() @ reference.t()
     assert ((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ reference.abs().t())).all()
     assert torch.equal(module(x[-1:]), y[-1:])  # a row's result does not depend on the rows beside it
+
+# ----------------------------------------------------------------------------- attention over the KV cache
+
+def attention_reference(q, k, v, mask):
+    """float64 softmax attention, each query row g * T + t on mask row t; a row that sees no key: zeros."""
+    B, H, R, D = q.shape
+    T, S = mask.shape[2], mask.shape[3]
+    rows = mask.expand(B, 1, T, S)[:, :, torch.arange(R) % T]  # [B, 1, R, S]
+    scores = (q.double() @ k.double().transpose(-1, -2)) / D ** 0.5
+    weights = torch.softmax(scores.masked_fill(~rows, float("-inf")), -1).nan_to_num(0.0)
+    return (weights @ v.double()).float()
+
+
+@pytest.mark.parametrize("B, H, G, T, S, D", [
+    (1, 3, 9, 1, 256, 64),    # SmolLM2 decode
+    (2, 6, 1, 1, 300, 64),    # multi-head, a batch
+    (1, 2, 4, 5, 77, 128),    # a verification width, keys not a multiple of 16
+    (3, 1, 3, 16, 40, 16),    # the widest of the own kernel
+    (1, 2, 2, 17, 50, 32),    # wider: ATen's kernel
+    (2, 2, 1, 3, 1000, 48),
+    (1, 1, 20, 2, 33, 80),    # more than 16 query heads per kv head
+    (1, 2, 3, 2, 40, 24)])    # a head size that is no multiple of 16: ATen's kernel
+def test_attention_equals_float64_reference(isa, B, H, G, T, S, D):
+    """fastgen::attention on random (tree-like) masks: the float64 softmax attention within float32 rounding, a
+    token that sees no key giving zeros, and a mask shared by the batch (first dimension 1) broadcast."""
+    g = torch.Generator().manual_seed(B * 1000 + S)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (G * T, S, S))
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.6
+    mask[..., S // 2:] &= torch.rand(B, 1, T, 1, generator=g) < 0.5  # some tokens see only the first half
+    mask[-1, 0, -1] = False
+    for m in (mask, mask[:1]):
+        out = kernels.attention(q, k, v, m)
+        assert out.shape == q.shape and out.is_contiguous()
+        torch.testing.assert_close(out, attention_reference(q, k, v, m), rtol=1e-5, atol=2e-6)
+        assert (out[-1, :, torch.arange(G) * T + T - 1] == 0).all() == (m.shape[0] == B)
+
+
+@pytest.mark.parametrize("T", [1, 4, 24])
+def test_attention_reads_no_key_past_the_last_allowed(isa, T):
+    """A long cache mostly empty costs nothing: keys and values past the last slot any token may see are never read
+    (NaN there changes nothing), with the own kernel (T <= 16) and ATen's alike."""
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(2, 3, 3 * T, 32, generator=g)
+    k, v = torch.randn(2, 3, 512, 32, generator=g), torch.randn(2, 3, 512, 32, generator=g)
+    filled = 40 + T
+    mask = (torch.arange(512).view(1, 1, 1, -1) < torch.arange(40, 40 + T).view(1, 1, T, 1) + 1).expand(2, 1, T, 512)
+    want = kernels.attention(q, k[:, :, :filled].contiguous(), v[:, :, :filled].contiguous(),
+                             mask[..., :filled].contiguous())
+    k[:, :, filled:], v[:, :, filled:] = float("nan"), float("nan")
+    got = kernels.attention(q, k, v, mask)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_attention_compiled_equals_eager():
+    a8_isas()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 3, 9, 64, generator=g), torch.randn(1, 3, 100, 64, generator=g), \
+        torch.randn(1, 3, 100, 64, generator=g)
+    mask = torch.arange(100).view(1, 1, 1, -1) <= 70
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(kernels.attention, fullgraph=True)(q, k, v, mask),
+                       kernels.attention(q, k, v, mask))
+
+
+def test_attention_without_the_kernels_is_sdpa_on_the_repeated_mask(monkeypatch):
+    monkeypatch.setattr(kernels, "a8_kernels", lambda: False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 2, 6, 16, generator=g), torch.randn(2, 2, 20, 16, generator=g), \
+        torch.randn(2, 2, 20, 16, generator=g)
+    mask = torch.rand(2, 1, 2, 20, generator=g) < 0.7
+    mask[..., 0] = True
+    repeated = mask[:, :, torch.arange(6) % 2]
+    assert torch.equal(kernels.attention(q, k, v, mask),
+                       torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=repeated))
