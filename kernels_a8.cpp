@@ -134,6 +134,13 @@ constexpr int64_t AHEAD = 4 * NR;  // weight rows ahead of the tile that a step 
 // prefetches into L1 the products moved 13 GB/s on two threads, into L2 18-22: scripts/bench_a8.py)
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
+// the first AHEAD rows of rows [n0, n1) at once, so that a product does not start on the latency of single misses
+inline void prefetch_first_rows(const void* base, int64_t n0, int64_t n1, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(base) + n0 * row_bytes;
+  const int64_t bytes = std::min(n1 - n0, AHEAD) * row_bytes;
+  for (int64_t i = 0; i < bytes; i += 64) prefetch(p + i);
+}
+
 template <int R>
 void int8_tile_portable(const int8_t* const* w, const Activations& a, int64_t m0, float (*out)[NR]) {
   for (int j = 0; j < R; ++j) {
@@ -613,6 +620,7 @@ at::Tensor a8_int8_linear(const at::Tensor& x, const at::Tensor& weight, const a
   float* yp = y.data_ptr<float>();
   const Isa path = isa();
   over_rows(N, Kp, [&](int64_t n0, int64_t n1) {
+    prefetch_first_rows(w, n0, n1, Kp);
     float out[MAX_ROWS][NR];
     for (int64_t n = n0; n < n1; n += NR) {
       const int8_t* rows[NR];
@@ -655,6 +663,7 @@ at::Tensor a8_int4_linear(const at::Tensor& x, const at::Tensor& weight, const a
   float* yp = y.data_ptr<float>();
   const Isa path = isa();
   over_rows(N, Kp / 2 + 4 * groups, [&](int64_t n0, int64_t n1) {
+    prefetch_first_rows(u, n0, n1, Kp / 2);
     float out[MAX_ROWS][NR];
     for (int64_t n = n0; n < n1; n += NR) {
       Int4Tile tile{{}, groups, groupsize, Kp};
@@ -686,21 +695,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
               "weight: contiguous int8 [N, K padded to a multiple of 64]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0), "scales: float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), Kp = weight.size(1);
-  std::vector<float> xp(M * Kp, 0.f);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(xp.data() + m * Kp, x.data_ptr<float>() + m * K, K * sizeof(float));
+  std::vector<float> padded(K == Kp ? 0 : M * Kp, 0.f);  // x's rows padded with zeros to Kp (if K is not)
+  for (int64_t m = 0; m < M && K != Kp; ++m)
+    std::memcpy(padded.data() + m * Kp, x.data_ptr<float>() + m * K, K * sizeof(float));
+  const float* xp = K == Kp ? x.data_ptr<float>() : padded.data();
   at::Tensor y = at::empty({M, N}, x.options());
   const int8_t* w = weight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const Isa path = isa();
   over_rows(N, Kp, [&](int64_t n0, int64_t n1) {
+    prefetch_first_rows(w, n0, n1, Kp);
     float out[MAX_ROWS][NR];
     for (int64_t n = n0; n < n1; n += NR) {
       const int8_t* rows[NR];
       for (int i = 0; i < NR; ++i) rows[i] = w + std::min(n + i, N - 1) * Kp;
       for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t R = std::min(MAX_ROWS, M - m0);
-        const float* xm = xp.data() + m0 * Kp;
+        const float* xm = xp + m0 * Kp;
         if (path == AVX512_VNNI) {
           RUN_TILE_F32(f32_tile_avx512)
         } else if (path == AVX2_MADDUBS) {

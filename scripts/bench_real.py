@@ -133,6 +133,7 @@ def main(argv=None):
     launches = {"ours fp32": (model_pth,), "ours int8": (int8_pth,), "ours int4 g32": (int4_pth,),
                 "ours fp32, int4 draft chain K=5": (model_pth, int4_pth, 5),
                 "ours fp32, 3-gram K=5": (model_pth, None, 5, 3),
+                "ours int8, 3-gram K=5": (int8_pth, None, 5, 3),
                 "ours int8-a8": (quantize.output_path(model_pth, {"mode": "int8-a8"}),),
                 "ours int4-a8 g32": (quantize.output_path(model_pth, {"mode": "int4-a8", "groupsize": 32}),)}
 
@@ -148,6 +149,7 @@ def main(argv=None):
                                                             compiled=compiled),
         "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled),
         "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4, compiled=compiled),
+        "ours int8, 3-gram K=5": lambda: ours(load(int8_pth), None, 5, None, 3, compiled=compiled),
         # 8-bit activations, integer dot products (kernels_a8.cpp)
         "ours int8-a8": lambda: ours(load(a8["int8-a8"]()), compiled=compiled),
         "ours int4-a8 g32": lambda: ours(load(a8["int4-a8"]()), compiled=compiled),
@@ -207,6 +209,8 @@ def main(argv=None):
             row["pct_read_bw"] = 100 * row["gbs"] / bandwidth["read_gbs"]
         if "ours fp32" in outputs:  # greedy ids of the last prompt, token for token
             row["same_as_ours_fp32"] = outputs[name] == outputs["ours fp32"]
+        if "," in name and name.split(",")[0] in outputs:  # speculation: its target's plain greedy ids
+            row["same_as_plain"] = outputs[name] == outputs[name.split(",")[0]]
         rows.append(row)
     reference = next((r["tokens_per_sec"] for r in rows if r["config"] == "transformers fp32"), None)
     peers = {r["config"].split()[1]: r["tokens_per_sec"] for r in rows if r["config"].startswith("llama.cpp")}
@@ -221,7 +225,8 @@ def main(argv=None):
     print()
     benchlib.print_table(rows, ["config", "tokens_per_sec", "gbs", "pct_read_bw", "x_ours_fp32", "x_transformers_fp32",
                                 "x_llama_cpp", "x_llama_same_bits",
-                                "tokens_per_target_forward", "same_as_ours_fp32", "setup_seconds", "launch_s"])
+                                "tokens_per_target_forward", "same_as_ours_fp32", "same_as_plain", "setup_seconds",
+                                "launch_s"])
     benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": rows,
                                     "bandwidth": bandwidth,
                                     "settings": {k: str(v) for k, v in vars(args).items()}})
