@@ -344,12 +344,17 @@ AVX512 float int4_offset_avx512(const Int4Row& w, int64_t groups, const Activati
   return _mm512_reduce_add_ps(acc);
 }
 
-template <int R>
+template <int R, bool G32>  // G32: groups of 32, the 4 scales of a step from one 64-bit broadcast
 AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0, float (*out)[NR]) {
   __m512 acc[R][NR];
   for (int j = 0; j < R; ++j)
     for (int i = 0; i < NR; ++i) acc[j][i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(15);
+  // bf16 scale j of 4 into the top half of lanes 0-7 (j = 0, 2) or 8-15 (j = 1, 3)
+  const __m512i to_top_01 = _mm512_set_epi32(0x03028080, 0x03028080, 0x03028080, 0x03028080, 0x03028080, 0x03028080,
+                                             0x03028080, 0x03028080, 0x01008080, 0x01008080, 0x01008080, 0x01008080,
+                                             0x01008080, 0x01008080, 0x01008080, 0x01008080);
+  const __m512i to_top_23 = _mm512_add_epi8(to_top_01, _mm512_set1_epi32(0x04040000));
   const int64_t steps = w.full_blocks() / 4;
   for (int64_t c = 0; c < steps; ++c) {  // 128 inputs, in two vectors of 64 (one at a time: registers for 4 x 4 sums)
     const int64_t g0 = c * 128 / w.G;
@@ -360,7 +365,13 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
         if (h == 0) prefetch(w.rows[i].u + c * 64 + AHEAD * w.Kp / 2);
         const __m512i bytes = _mm512_loadu_si512(w.rows[i].u + c * 64);
         u[i] = _mm512_and_si512(h ? _mm512_srli_epi16(bytes, 4) : bytes, low);
-        s[i] = half_scales(w.rows[i].s, g0, h, w.G, w.groups);
+        if (G32) {  // (a padding block's scale: the row's first zero point, finite, times a zero dot product)
+          int64_t four;
+          std::memcpy(&four, w.rows[i].s + g0, 8);
+          s[i] = _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi64(four), h ? to_top_23 : to_top_01));
+        } else {
+          s[i] = half_scales(w.rows[i].s, g0, h, w.G, w.groups);
+        }
       }
       for (int j = 0; j < R; ++j) {
         const __m512i q = _mm512_loadu_si512(a.qrow(m0 + j) + c * 128 + h * 64);
@@ -393,6 +404,13 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
   for (int j = 0; j < R; ++j)
     for (int i = 0; i < NR; ++i)
       out[j][i] = _mm512_reduce_add_ps(acc[j][i]) + int4_offset_avx512(w.rows[i], w.groups, a, m0 + j);
+}
+
+template <int R>
+AVX512 void int4_tile_avx512_any(const Int4Tile& w, const Activations& a, int64_t m0, float (*out)[NR]) {
+  // groups of 32 with the step's 4 scales inside the row's scales and zeros (always, but for a last partial step)
+  if (w.G == BLOCK) return int4_tile_avx512<R, true>(w, a, m0, out);
+  int4_tile_avx512<R, false>(w, a, m0, out);
 }
 
 // ----------------------------------------------------------------------------- int8 weights, float32 activations
@@ -674,7 +692,7 @@ at::Tensor a8_int4_linear(const at::Tensor& x, const at::Tensor& weight, const a
       for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t R = std::min(MAX_ROWS, M - m0);
         if (path == AVX512_VNNI) {
-          RUN_TILE(int4_tile_avx512, tile, out)
+          RUN_TILE(int4_tile_avx512_any, tile, out)
         } else if (path == AVX2_MADDUBS) {
           RUN_TILE(int4_tile_avx2, tile, out)
         } else {
