@@ -298,6 +298,9 @@ class AutoChoice:
       linearly from measured ones (plain decoding is width 1, timed once before the first step);
     - draft seconds per arm: timed when it runs; an unmeasured arm costs its depth times the measured seconds per
       depth of arms of its kind (chain or tree), zero if none ran yet (so it gets tried);
+    - a first timing counts as no timing until a second replaces it: a first call can pay one-time costs (a stored
+      graph loaded, a new width's first run: 10x a step's seconds were seen), and an arm priced by one would never
+      run again to correct it;
     - E(K, chain) = 1 + sum_i prod_{d <= i} a_d from each depth's acceptance rate a_d (decaying counts over the
       drafted chains: a chain of depth K also tells what any shorter one would have accepted); E(K, tree) from the
       tokens its own steps made, starting from an optimistic prior.
@@ -319,7 +322,9 @@ class AutoChoice:
         self.tree_tokens = {}  # arm -> [decayed tokens per row-step, decayed steps]
         self.verify_seconds = {}  # (batch, width) -> seconds
         self.draft_seconds = {}  # arm -> seconds (the whole batch's draft)
+        self.first = set()  # (table id, key) timed once only: not used yet
         self.plain_streak, self.explore_every = 0, self.EXPLORE_EVERY
+        self.decision = None  # (batch, best arm, plain wins), kept while only plain steps are observed
 
     def expected(self, arm) -> float:
         """Expected tokens per row and step."""
@@ -334,8 +339,11 @@ class AutoChoice:
         prior = total * 1.2  # a tree of more nodes than its depth: worth trying
         return (made + prior * self.PRIOR_WEIGHT) / (steps + self.PRIOR_WEIGHT)
 
+    def measured(self, table: dict) -> dict:
+        return {key: t for key, t in table.items() if (id(table), key) not in self.first}
+
     def verify_cost(self, batch: int, width: int) -> float:
-        known = sorted((w, t) for (b, w), t in self.verify_seconds.items() if b == batch)
+        known = sorted((w, t) for (b, w), t in self.measured(self.verify_seconds).items() if b == batch)
         if not known:
             return 0.0
         exact = dict(known).get(width)
@@ -351,19 +359,22 @@ class AutoChoice:
         return max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), 0.0)
 
     def draft_cost(self, arm) -> float:
-        if arm in self.draft_seconds:
-            return self.draft_seconds[arm]
+        measured = self.measured(self.draft_seconds)
+        if arm in measured:
+            return measured[arm]
         k, n = arm
-        same = [t / a[0] for a, t in self.draft_seconds.items() if (a[1] == a[0]) == (n == k)]
+        same = [t / a[0] for a, t in measured.items() if (a[1] == a[0]) == (n == k)]
         return k * sum(same) / len(same) if same else 0.0
 
     def choose(self, batch: int):
         """The arm for the next step, or None for a plain step."""
-        plain = self.verify_cost(batch, 1)
-        rate = {arm: self.expected(arm) / max(self.draft_cost(arm) + self.verify_cost(batch, arm[1] + 1), 1e-9)
-                for arm in self.arms}
-        best = max(self.arms, key=lambda arm: (rate[arm], -arm[1], -arm[0]))
-        plain_wins = plain > 0 and 1.0 / plain >= rate[best]
+        if self.decision is None or self.decision[0] != batch:
+            plain = self.verify_cost(batch, 1)
+            rate = {arm: self.expected(arm) / max(self.draft_cost(arm) + self.verify_cost(batch, arm[1] + 1), 1e-9)
+                    for arm in self.arms}
+            best = max(self.arms, key=lambda arm: (rate[arm], -arm[1], -arm[0]))
+            self.decision = (batch, best, plain > 0 and 1.0 / plain >= rate[best])
+        _, best, plain_wins = self.decision
         if plain_wins and self.plain_streak < self.explore_every:
             self.plain_streak += 1
             return None
@@ -372,15 +383,24 @@ class AutoChoice:
         self.plain_streak = 0
         return best
 
-    def timed(self, table: dict, key, seconds: float):
-        old = table.get(key)
-        table[key] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+    def timed(self, table: dict, key, seconds: float, warm: bool = False):
+        """A new timing of `key` (warm: taken after a first call, trusted at once)."""
+        old, first = table.get(key), (id(table), key)
+        if old is None or first in self.first:  # the first timing, or the second replacing it
+            if not warm:
+                self.first.symmetric_difference_update({first})
+            table[key] = seconds
+        else:
+            table[key] = (1 - self.EMA) * old + self.EMA * seconds
 
     def observe(self, arm, trees: list, paths: list, draft_seconds: float, verify_seconds: float, batch: int):
         """A step of `arm` (None: plain): its timings and, per live row, the tree and accepted path."""
         self.timed(self.verify_seconds, (batch, 1 if arm is None else arm[1] + 1), verify_seconds)
-        if arm is None:
+        if arm is None:  # the decision stands (the plain step's seconds drift slowly) but every 16 plain steps
+            if self.plain_streak % 16 == 0:
+                self.decision = None
             return
+        self.decision = None
         self.timed(self.draft_seconds, arm, draft_seconds)
         k, n = arm
         live = [(tree, path) for tree, path in zip(trees, paths) if path is not None]
@@ -445,7 +465,7 @@ class Speculator:
         if any(live):
             stats.draft_forwards += drafter.start(prompts, target.model.max_seq_length, features)
         if auto and any(live) and (batch, 1) not in auto.verify_seconds:
-            auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, contexts, pos, sampling))
+            auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, contexts, pos, sampling), warm=True)
         while any(live):
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()

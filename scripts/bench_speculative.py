@@ -79,10 +79,11 @@ def merge_stats(runs) -> dict:
     if not stats or "accept_counts" not in stats[0]:
         return {}
     counts = [sum(c) for c in zip(*(s["accept_counts"] for s in stats))]
-    steps = sum(counts)
+    steps = sum(counts)  # speculative steps (`auto` may also take plain steps, one token per forward)
+    plain = sum(s.get("plain_steps", 0) for s in stats)
     accepted = sum(i * c for i, c in enumerate(counts))
-    return {"accept_counts": counts, "mean_accepted": accepted / steps,
-            "tokens_per_target_forward": (accepted + steps) / steps,
+    return {"accept_counts": counts, "mean_accepted": accepted / steps if steps else 0.0, "plain_steps": plain,
+            "tokens_per_target_forward": (accepted + steps + plain) / max(steps + plain, 1),
             "acceptance_rate": sum(s["acceptance_rate"] for s in stats) / len(stats),
             "target_forwards": sum(s["target_forwards"] for s in stats),
             "draft_forwards": sum(s["draft_forwards"] for s in stats),
