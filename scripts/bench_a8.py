@@ -1,7 +1,8 @@
 """The integer a8 kernels (kernels_a8.cpp) against the paths they stand beside, in one process, taking turns:
   1. one-row products of SmolLM2-135M's matrix shapes: GB/s of weight bytes moved per call (fp32 F.linear on the
-     column-major weight decode uses, weight-only int8 / int4 g32 on ATen's kernels, int8-a8 / int4-a8 g32, and
-     kernels_a8.cpp's int8 weights times float32 activations, "int8 fp32-x");
+     column-major weight decode uses, weight-only int8 (`fastgen::int8_linear`, "int8 fp32-x" on the a8 layout) /
+     int4 g32 on ATen's kernel, int8-a8 / int4-a8 g32), one shape at a time; and one decode step's products, the
+     151 distinct matrices in turn, so each starts cold in the cache as in decode;
   2. greedy generate() tokens/s on the real model for fp32, int8, int8-a8, int4 g32, int4-a8 g32, eager and with
      regional compilation.
 
@@ -35,13 +36,16 @@ def weight_bytes(module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
 
 
-def product_candidates(out_features: int, in_features: int) -> dict:
-    """name -> (one-row product, weight bytes it reads)."""
+def product_candidates(out_features: int, in_features: int, only: str = None) -> dict:
+    """name -> (one-row product, weight bytes it reads); only: just that one (and what it needs)."""
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) / in_features ** 0.5
     column_major = w.t().contiguous().t()
-    out = {"fp32 F.linear": (lambda x: F.linear(x, column_major), w.numel() * 4)}
+    out = {"fp32 F.linear": (lambda x: F.linear(x, column_major), w.numel() * 4)} if only is None else {}
+    wanted = {"int8 fp32-x": "int8-a8"}.get(only, only)
     for name, cls, args in [("int8", quantize.Int8Linear, ()), ("int8-a8", quantize.Int8A8Linear, ()),
                             ("int4 g32", quantize.Int4Linear, (32,)), ("int4-a8 g32", quantize.Int4A8Linear, (32,))]:
+        if wanted is not None and name != wanted:
+            continue
         module = cls(in_features, out_features, *args)
         if name.startswith("int8"):
             module.weight, module.scales = quantize.quantize_int8(w)
@@ -50,8 +54,9 @@ def product_candidates(out_features: int, in_features: int) -> dict:
         if hasattr(module, "pack_for_cpu"):
             module.pack_for_cpu()
         out[name] = (module, weight_bytes(module))
-    a8 = out["int8-a8"][0]  # the same int8 weights times float32 activations (not a scheme yet)
-    out["int8 fp32-x"] = (lambda x: torch.ops.fastgen.int8_linear(x, a8.weight, a8.scales), weight_bytes(a8))
+    if only in (None, "int8 fp32-x"):  # the same int8 weights times float32 activations (Int8Linear's CPU kernel)
+        a8 = out.pop("int8-a8")[0] if only else out["int8-a8"][0]
+        out["int8 fp32-x"] = (lambda x: torch.ops.fastgen.int8_linear(x, a8.weight, a8.scales), weight_bytes(a8))
     return out
 
 
@@ -78,6 +83,33 @@ def bench_products(turns: int, seconds_per_call: float) -> list:
             row[f"{name} GB/s"] = nbytes / best[name] / 1e9
             row[f"{name} us"] = best[name] * 1e6
         rows.append(row)
+    return rows
+
+
+STEP = [(960, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30 + [(49152, 576)]  # wqkv wo w1 w3 w2, head
+
+
+def bench_step(turns: int) -> list:
+    """One decode step's products with distinct weights (SmolLM2's 151 matrices, 0.1-28 MB each, more than the last
+    level cache together): each product starts cold, as in decode, unlike a loop over one matrix."""
+    inputs = {k: torch.randn(1, k) for k in (576, 1536)}
+    rows = []
+    for name in ["int8", "int8-a8", "int4 g32", "int4-a8 g32"]:  # (int8: fastgen::int8_linear)
+        calls = []
+        for n, k in STEP:
+            candidates = product_candidates(n, k, only=name)
+            calls.append((candidates[name][0], inputs[k], candidates[name][1]))
+        nbytes = sum(b for _, _, b in calls)
+        best = float("inf")
+        with torch.no_grad():
+            for turn in range(turns + 1):  # turn 0 warms up
+                start = time.perf_counter()
+                for fn, x, _ in calls:
+                    fn(x)
+                if turn:
+                    best = min(best, time.perf_counter() - start)
+        rows.append({"config": name, "ms per step": best * 1e3, "MB": nbytes / 1e6, "GB/s": nbytes / best / 1e9})
+        del calls
     return rows
 
 
@@ -129,7 +161,9 @@ def main(argv=None):
     names = ["fp32 F.linear", "int8", "int8-a8", "int8 fp32-x", "int4 g32", "int4-a8 g32"]
     print("\none-row products, GB/s of weights moved")
     benchlib.print_table(products, ["shape"] + [f"{n} GB/s" for n in names])
-    result = {"machine": info, "products": products}
+    result = {"machine": info, "products": products, "step": bench_step(max(3, args.turns // 3))}
+    print("\none decode step's products (151 distinct matrices, cold in the cache)")
+    benchlib.print_table(result["step"], ["config", "ms per step", "MB", "GB/s"])
     if not args.skip_decode:
         result["decode"] = bench_decode(args.checkpoint_path, args.compile, args.new_tokens, args.repeats)
         print(f"\ngenerate(), {args.new_tokens} new tokens after 16, greedy")
