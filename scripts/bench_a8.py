@@ -89,6 +89,19 @@ def bench_products(turns: int, seconds_per_call: float) -> list:
 STEP = [(960, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30 + [(49152, 576)]  # wqkv wo w1 w3 w2, head
 
 
+def operator_of(module):
+    """The operator a stored graph calls for this packed module (without the module's Python and reshapes)."""
+    ops = torch.ops.fastgen
+    if isinstance(module, quantize.Int4A8Linear):
+        return lambda x: ops.a8_int4_linear(x, module.weight, module.scales_and_zeros, module.groupsize)
+    if isinstance(module, quantize.Int4Linear):
+        sz = module.scales_and_zeros.to(torch.bfloat16)
+        return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, module.weight, module.groupsize, sz)
+    if isinstance(module, quantize.Int8A8Linear):
+        return lambda x: ops.a8_int8_linear(x, module.weight, module.scales)
+    return lambda x: ops.int8_linear(x, module.weight, module.scales)
+
+
 def bench_step(turns: int) -> list:
     """One decode step's products with distinct weights (SmolLM2's 151 matrices, 0.1-28 MB each, more than the last
     level cache together): each product starts cold, as in decode, unlike a loop over one matrix."""
@@ -97,8 +110,8 @@ def bench_step(turns: int) -> list:
     for name in ["int8", "int8-a8", "int4 g32", "int4-a8 g32"]:  # (int8: fastgen::int8_linear)
         calls = []
         for n, k in STEP:
-            candidates = product_candidates(n, k, only=name)
-            calls.append((candidates[name][0], inputs[k], candidates[name][1]))
+            module, nbytes = product_candidates(n, k, only=name)[name]
+            calls.append((operator_of(module), inputs[k] if "int4 " not in name else inputs[k].bfloat16(), nbytes))
         nbytes = sum(b for _, _, b in calls)
         best = float("inf")
         with torch.no_grad():
