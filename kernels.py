@@ -138,8 +138,8 @@ def a8_kernels() -> bool:
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        print(f"cannot build {A8_SOURCE.name} ({reason}): int8-a8 / int4-a8 layers use the weight-only kernels; "
-              f"install a C++ compiler and ninja (the ones torch.compile uses) for the integer kernels",
+        print(f"cannot build {A8_SOURCE.name} ({reason}): int8-a8 / int4-a8 layers use the weight-only kernels and "
+              f"attention ATen's; install a C++ compiler and ninja (the ones torch.compile uses) for ours",
               file=sys.stderr)
         return False
     global A8_BUILT

@@ -130,8 +130,8 @@ constexpr int NR = 4;
 constexpr int64_t AHEAD = 4 * NR;  // weight rows ahead of the tile that a step asks the memory for (short rows: the
                                    // hardware prefetchers alone leave much of the bandwidth unused)
 
-// into L2, not L1: a core has few L1 miss buffers, and prefetches holding them capped a thread's stream (with
-// prefetches into L1 the products moved 13 GB/s on two threads, into L2 18-22: scripts/bench_a8.py)
+// into L2, not L1: a core has few L1 miss buffers, and prefetches holding them capped a thread's stream
+// (BENCHMARKS.md, "Integer kernels")
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 // the first AHEAD rows of rows [n0, n1) at once, so that a product does not start on the latency of single misses
@@ -469,7 +469,7 @@ AVX512 void f32_tile_avx512(const int8_t* const* w, const float* x, int64_t Kp, 
 
 // ----------------------------------------------------------------------------- attention over the KV cache
 // Grouped-query attention of a few query tokens (decode, verification) with a bool mask, without ATen's flash kernel's
-// fixed cost per call (its blocking and buffers cost 40-80 us per layer where the arithmetic takes under 10) and
+// fixed cost per call (its blocking and buffers cost several times the arithmetic of a one-token step) and
 // reading only the keys from the first to the last that a token may see (a long cache mostly empty costs nothing).
 // The G query heads of a kv head that share a token share its mask row, so they are one task; per row the scores of
 // 16 keys come from 16 dot products reduced in one transpose, then softmax and the values weighted row by row.
@@ -594,7 +594,8 @@ AVX512 void attend_avx512(const AttentionTask& w, float scale) {
 // ----------------------------------------------------------------------------- operators
 
 // fn(n0, n1) over the weight rows [0, N): one contiguous share of whole tiles per thread, so that each thread reads
-// one long stream that its prefetches run ahead of (small tasks taken in turn moved 13-18 GB/s where this moves 22);
+// one long stream that its prefetches run ahead of (small tasks taken in turn were slower: their prefetches fed
+// the other thread's next task);
 // products under 64 KiB stay on the calling thread
 template <typename F>
 void over_rows(int64_t N, int64_t row_bytes, const F& fn) {

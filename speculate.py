@@ -299,8 +299,7 @@ class AutoChoice:
     - draft seconds per arm: timed when it runs; an unmeasured arm costs its depth times the measured seconds per
       depth of arms of its kind (chain or tree), zero if none ran yet (so it gets tried);
     - a first timing counts as no timing until a second replaces it: a first call can pay one-time costs (a stored
-      graph loaded, a new width's first run: 10x a step's seconds were seen), and an arm priced by one would never
-      run again to correct it;
+      graph loaded, a new width's first run), and an arm priced by one would never run again to correct it;
     - E(K, chain) = 1 + sum_i prod_{d <= i} a_d from each depth's acceptance rate a_d (decaying counts over the
       drafted chains: a chain of depth K also tells what any shorter one would have accepted); E(K, tree) from the
       tokens its own steps made, starting from an optimistic prior.
