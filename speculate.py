@@ -385,9 +385,11 @@ class AutoChoice:
     def timed(self, table: dict, key, seconds: float, warm: bool = False):
         """A new timing of `key` (warm: taken after a first call, trusted at once)."""
         old, first = table.get(key), (id(table), key)
-        if old is None or first in self.first:  # the first timing, or the second replacing it
-            if not warm:
-                self.first.symmetric_difference_update({first})
+        if old is None or first in self.first:  # a first timing (unused unless warm), or the second replacing it
+            if old is None and not warm:
+                self.first.add(first)
+            else:
+                self.first.discard(first)
             table[key] = seconds
         else:
             table[key] = (1 - self.EMA) * old + self.EMA * seconds

@@ -112,6 +112,21 @@ def test_auto_steps_of_any_size_or_plain_keep_every_row(random_target, near_draf
     assert stats["plain_steps"] >= 3 and sum(stats["accept_counts"]) >= 3
 
 
+def test_auto_choice_uses_a_timing_once_a_second_replaces_the_first():
+    auto = speculate.AutoChoice([(1, 1), (2, 2)])
+    auto.timed(auto.verify_seconds, (1, 3), 20.0)  # a first call: not used yet
+    assert auto.verify_cost(1, 3) == 0.0 and auto.measured(auto.verify_seconds) == {}
+    auto.timed(auto.verify_seconds, (1, 3), 1.0)  # the second replaces it outright, then the average takes over
+    auto.timed(auto.verify_seconds, (1, 3), 2.0)
+    assert auto.verify_cost(1, 3) == pytest.approx(1.0 * (1 - auto.EMA) + 2.0 * auto.EMA)
+    auto.timed(auto.verify_seconds, (1, 1), 0.5, warm=True)  # plain_step_seconds times a second call: used at once
+    assert auto.verify_cost(1, 1) == 0.5
+    auto.timed(auto.draft_seconds, (2, 2), 30.0)
+    auto.timed(auto.draft_seconds, (1, 1), 0.2)
+    auto.timed(auto.draft_seconds, (1, 1), 0.1)
+    assert auto.draft_cost((2, 2)) == pytest.approx(0.2)  # priced from the measured arm, not its first call
+
+
 def test_auto_choice_follows_measured_costs_and_acceptance():
     """AutoChoice picks plain steps where drafts are rejected, deep chains where they are accepted and verification
     is cheap, and in between the depth a brute-force computation of tokens per second picks."""
