@@ -765,7 +765,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   const bool* mp = mask.data_ptr<bool>();
   // per (b, t): the first and one past the last key the token may see
   std::vector<int64_t> lo(B * T), hi(B * T);
-  int64_t last = 0;
+  int64_t last = 0, work = 0;  // the last key any token sees; keys read in all
   for (int64_t i = 0; i < B * T; ++i) {
     const bool* row = mp + i * S;
     const void* first = std::memchr(row, 1, S);
@@ -773,6 +773,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
     const void* end = first ? memrchr(row, 1, S) : nullptr;
     hi[i] = end ? static_cast<const bool*>(end) - row + 1 : 0;
     last = std::max(last, hi[i]);
+    work += hi[i] - lo[i];
   }
   if (last == 0) return at::zeros_like(q_in);  // no token sees any key (ATen's kernels give zeros too)
   if (T > 16 || D % 16 || !k.is_contiguous() || !v.is_contiguous() || isa() != AVX512_VNNI) {
@@ -797,8 +798,6 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
       attend_avx512(w, scale);
     }
   };
-  int64_t work = 0;  // keys read in all
-  for (int64_t i = 0; i < B * T; ++i) work += hi[i] - lo[i];
   if (work * H * G * D < (1 << 16)) run(0, tasks);
   else at::parallel_for(0, tasks, 1, run);
   return out;
