@@ -84,9 +84,11 @@ def sample_from(probs: Tensor) -> Tensor:
 
 
 def sample(logits: Tensor, sampling: Sampling):
+    """A token of each row of logits [..., V] and the distribution it was drawn from; greedy: the argmax and None
+    (no caller needs its one-hot, and building it cost a decode step more than the argmax did)."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1), None
     probs = logits_to_probs(logits, sampling)
-    if sampling.temperature == 0:  # the argmax itself: no noise to draw for a one-hot
-        return probs.argmax(-1), probs
     return sample_from(probs), probs
 
 
@@ -103,7 +105,7 @@ def prefill(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling
 
 
 def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling):
-    """x, input_pos: [B, 1]; returns the next token [B] and the distribution it came from [B, V]."""
+    """x, input_pos: [B, 1]; returns the next token [B] and the distribution it came from [B, V] (greedy: None)."""
     logits = model(x, input_pos)
     return sample(logits[:, -1], sampling)
 

@@ -457,9 +457,9 @@ def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eo
 class FiniteWatch:
     """An engine's decode_one_token that stops weights going NaN or infinite mid-run with one line, not decoding
     garbage, without a host sync per token: it looks every EOS_CHECK_EVERY steps (when decode_n_tokens looks for
-    EOS) and in check(), at the keys the steps wrote in the last layer (NaN risen in any layer below shows there;
-    at temperature 0 the distribution is a one-hot of the argmax, finite even for NaN logits) and at whether
-    every distribution sampled from was finite (noted on the device at each step)."""
+    EOS) and in check(), at the keys the steps wrote in the last layer (NaN risen in any layer below shows there)
+    and at whether every distribution sampled from was finite (noted on the device at each step; greedy steps
+    return none)."""
 
     def __init__(self, decode_one_token, model: Transformer):
         self.decode_one_token, self.model = decode_one_token, model
@@ -467,8 +467,9 @@ class FiniteWatch:
 
     def __call__(self, model: Transformer, x, input_pos, sampling: Sampling):
         token, probs = self.decode_one_token(model, x, input_pos, sampling)
-        finite = torch.isfinite(probs).all()
-        self.finite = finite if self.finite is None else self.finite & finite
+        if probs is not None:  # sampled (greedy has none: a NaN shows in the keys)
+            finite = torch.isfinite(probs).all()
+            self.finite = finite if self.finite is None else self.finite & finite
         self.slots.append(input_pos)
         if len(self.slots) == EOS_CHECK_EVERY:
             self.check()
@@ -480,7 +481,7 @@ class FiniteWatch:
         slots = torch.cat(self.slots, 1)  # [B, n]
         rows = torch.arange(slots.shape[0], device=slots.device).unsqueeze(1)  # [B, 1]
         keys = self.model.layers[-1].attention.kv_cache.k_cache[rows, :, slots]  # [B, n, H, D]
-        finite = bool(torch.isfinite(keys).all() & self.finite)
+        finite = bool(torch.isfinite(keys).all()) and (self.finite is None or bool(self.finite))
         self.slots, self.finite = [], None
         if not finite:
             raise non_finite_logits(self.model, "for a generated token")

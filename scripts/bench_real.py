@@ -7,7 +7,9 @@ transformers' generate() (plain and prompt_lookup_num_tokens) and llama.cpp on t
     python scripts/bench_real.py --checkpoint_dir DIR --gguf FILE.gguf --json bench_results/real.json
 
 Configurations take turns run by run (best of --repeats after a warm-up), so a machine slowing down
-hurts them alike. Greedy, exactly --new_tokens tokens after a chat-formatted question; the first run of
+hurts them alike. Greedy, exactly --new_tokens tokens after each chat-formatted question, or with --stop_at_eos each
+answer up to its end of turn (at most --new_tokens; tokens/s: every answer's tokens over the time from prompt to the
+answer's end, prefill included, each engine its own answer's length); the first run of
 each of our configurations compiles (stored graphs: builds them, or loads them when stored), and its time is
 reported as setup seconds (in-process graphs cold: a fresh inductor cache directory unless --warm_cache;
 --fresh_graphs removes the stored graphs first, so setup is their build). For configurations with stored graphs,
@@ -16,6 +18,7 @@ launch to first token, the stored graphs loaded). x_llama_same_bits: int8 agains
 Q4_1 (int8-a8 / int4-a8 likewise), the rest against llama.cpp's fastest.
 """
 import argparse
+import functools
 import os
 import shutil
 import subprocess
@@ -38,10 +41,11 @@ from tokenizer import get_tokenizer  # noqa: E402
 
 QUESTIONS = ["What is the capital of France? Answer in two sentences.",
              "Write a Python function that returns the n-th Fibonacci number.",
-             "Explain what a KV cache is in a transformer, briefly."]
+             "Explain what a KV cache is in a transformer, briefly.",
+             "List three tips for writing clear emails."]
 
 
-def ours(model, draft_model=None, k=5, nodes=None, ngram=0, compiled=True, autotune=False, mode="auto"):
+def ours(model, draft_model=None, k=5, nodes=None, ngram=0, compiled=True, autotune=False, mode="auto", eos=()):
     """A run function for one of our configurations: target and draft compiled in one mode (generate.py's
     --compile: auto, stored graphs; --compile autotune: stored graphs with every matmul timed; or `mode`) or
     eager."""
@@ -52,33 +56,33 @@ def ours(model, draft_model=None, k=5, nodes=None, ngram=0, compiled=True, autot
     stats = {"model_bytes": model.model_bytes()}  # weight bytes a decode step reads
 
     def run(ids, new_tokens):
-        tokens, s = generation.generate(engine, torch.tensor(ids), new_tokens, decode.Sampling(), [],
-                                        stop_at_eos=False, speculator=speculator)
+        tokens, s = generation.generate(engine, torch.tensor(ids), new_tokens, decode.Sampling(), list(eos),
+                                        stop_at_eos=bool(eos), speculator=speculator)
         stats.update(s)
         return tokens[0]
     return run, stats
 
 
-def transformers_run(checkpoint_dir: Path, **kwargs):
+def transformers_run(checkpoint_dir: Path, eos=(), **kwargs):
     model = benchlib.hf_model(checkpoint_dir)
 
     def run(ids, new_tokens):
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0, **kwargs)
+            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 **({"eos_token_id": list(eos)} if eos else {"min_new_tokens": new_tokens}), **kwargs)
         return out[0, len(ids):].tolist()
     return run, {}
 
 
-def llama_cpp_run(gguf: Path, threads: int):
+def llama_cpp_run(gguf: Path, threads: int, eos=()):
     from llama_cpp import Llama
     llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
 
     def run(ids, new_tokens):
         out = []
-        for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):  # greedy; EOS does not stop it
+        for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):  # greedy; stops where we say
             out.append(token)
-            if len(out) == new_tokens:
+            if len(out) == new_tokens or token in eos:
                 break
         return out
     return run, {}
@@ -101,7 +105,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint_dir", type=Path, default=ROOT / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--gguf", type=Path, default=ROOT / "checkpoints/gguf/SmolLM2-135M-Instruct.Q4_1.gguf")
-    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=64, help="tokens per answer (with --stop_at_eos: at most)")
+    p.add_argument("--stop_at_eos", action="store_true", help="each answer ends at its end of turn")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch and llama.cpp threads (default: every core)")
     p.add_argument("--warm_cache", action="store_true", help="keep inductor's cache (default: cold compile)")
@@ -134,46 +139,53 @@ def main(argv=None):
                 "ours fp32, int4 draft chain K=5": (model_pth, int4_pth, 5),
                 "ours fp32, 3-gram K=5": (model_pth, None, 5, 3),
                 "ours int8, 3-gram K=5": (int8_pth, None, 5, 3),
+                "ours int8, 3-gram K=auto": (int8_pth, None, "auto", 3),
                 "ours int8-a8": (quantize.output_path(model_pth, {"mode": "int8-a8"}),),
                 "ours int4-a8 g32": (quantize.output_path(model_pth, {"mode": "int4-a8", "groupsize": 32}),)}
 
+    eos = tuple(tokenizer.eos_ids) if args.stop_at_eos else ()
+    ours_ = functools.partial(ours, eos=eos)
     configs = {  # name -> a function building (run, stats); built lazily, in turn order
-        "ours fp32": lambda: ours(load(model_pth), compiled=compiled),
-        "ours fp32 regional": lambda: ours(load(model_pth), compiled=compiled, mode="regional"),
-        "ours fp32 whole": lambda: ours(load(model_pth), compiled=compiled, mode="whole"),
-        "ours bf16": lambda: ours(load(model_pth, precision=torch.bfloat16), compiled=compiled),
-        "ours int8": lambda: ours(load(int8_pth), compiled=compiled),
-        "ours int4 g32": lambda: ours(load(int4_pth), compiled=compiled),
-        "ours fp32, int4 draft chain K=5": lambda: ours(load(model_pth), load(int4_pth), 5, compiled=compiled),
-        "ours fp32, int4 draft tree N=12 K=4": lambda: ours(load(model_pth), load(int4_pth), 4, 12,
+        "ours fp32": lambda: ours_(load(model_pth), compiled=compiled),
+        "ours fp32 regional": lambda: ours_(load(model_pth), compiled=compiled, mode="regional"),
+        "ours fp32 whole": lambda: ours_(load(model_pth), compiled=compiled, mode="whole"),
+        "ours bf16": lambda: ours_(load(model_pth, precision=torch.bfloat16), compiled=compiled),
+        "ours int8": lambda: ours_(load(int8_pth), compiled=compiled),
+        "ours int4 g32": lambda: ours_(load(int4_pth), compiled=compiled),
+        "ours fp32, int4 draft chain K=5": lambda: ours_(load(model_pth), load(int4_pth), 5, compiled=compiled),
+        "ours fp32, int4 draft tree N=12 K=4": lambda: ours_(load(model_pth), load(int4_pth), 4, 12,
                                                             compiled=compiled),
-        "ours fp32, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled),
-        "ours int8, int4 draft chain K=4": lambda: ours(load(int8_pth), load(int4_pth), 4, compiled=compiled),
-        "ours int8, 3-gram K=5": lambda: ours(load(int8_pth), None, 5, None, 3, compiled=compiled),
-        # 8-bit activations, integer dot products (kernels_a8.cpp)
-        "ours int8-a8": lambda: ours(load(a8["int8-a8"]()), compiled=compiled),
-        "ours int4-a8 g32": lambda: ours(load(a8["int4-a8"]()), compiled=compiled),
-        "ours fp32, int4-a8 draft chain K=5": lambda: ours(load(model_pth), load(a8["int4-a8"]()), 5,
+        "ours fp32, 3-gram K=5": lambda: ours_(load(model_pth), None, 5, None, 3, compiled=compiled),
+        "ours int8, int4 draft chain K=4": lambda: ours_(load(int8_pth), load(int4_pth), 4, compiled=compiled),
+        "ours int8, 3-gram K=5": lambda: ours_(load(int8_pth), None, 5, None, 3, compiled=compiled),
+        "ours int8, 3-gram K=auto": lambda: ours_(load(int8_pth), None, "auto", None, 3, compiled=compiled),
+        "ours fp32, 3-gram K=auto": lambda: ours_(load(model_pth), None, "auto", None, 3, compiled=compiled),
+        "ours fp32, int4 draft chain K=auto": lambda: ours_(load(model_pth), load(int4_pth), "auto",
                                                            compiled=compiled),
-        "ours fp32, int8-a8 draft chain K=5": lambda: ours(load(model_pth), load(a8["int8-a8"]()), 5,
+        # 8-bit activations, integer dot products (kernels_a8.cpp)
+        "ours int8-a8": lambda: ours_(load(a8["int8-a8"]()), compiled=compiled),
+        "ours int4-a8 g32": lambda: ours_(load(a8["int4-a8"]()), compiled=compiled),
+        "ours fp32, int4-a8 draft chain K=5": lambda: ours_(load(model_pth), load(a8["int4-a8"]()), 5,
+                                                           compiled=compiled),
+        "ours fp32, int8-a8 draft chain K=5": lambda: ours_(load(model_pth), load(a8["int8-a8"]()), 5,
                                                            compiled=compiled),
         # --compile autotune: stored graphs, every matmul shape timed against inductor's C++ GEMM templates
-        "ours fp32 autotune": lambda: ours(load(model_pth), compiled=compiled, autotune=True),
-        "ours int8 autotune": lambda: ours(load(int8_pth), compiled=compiled, autotune=True),
-        "ours int4 g32 autotune": lambda: ours(load(int4_pth), compiled=compiled, autotune=True),
-        "ours fp32 autotune, int4 draft chain K=5": lambda: ours(load(model_pth), load(int4_pth), 5, compiled=compiled,
+        "ours fp32 autotune": lambda: ours_(load(model_pth), compiled=compiled, autotune=True),
+        "ours int8 autotune": lambda: ours_(load(int8_pth), compiled=compiled, autotune=True),
+        "ours int4 g32 autotune": lambda: ours_(load(int4_pth), compiled=compiled, autotune=True),
+        "ours fp32 autotune, int4 draft chain K=5": lambda: ours_(load(model_pth), load(int4_pth), 5, compiled=compiled,
                                                                  autotune=True),
-        "ours fp32 autotune, 3-gram K=5": lambda: ours(load(model_pth), None, 5, None, 3, compiled=compiled,
+        "ours fp32 autotune, 3-gram K=5": lambda: ours_(load(model_pth), None, 5, None, 3, compiled=compiled,
                                                         autotune=True),
-        "transformers fp32": lambda: transformers_run(args.checkpoint_dir),
-        "transformers fp32, prompt lookup": lambda: transformers_run(args.checkpoint_dir, prompt_lookup_num_tokens=5),
+        "transformers fp32": lambda: transformers_run(args.checkpoint_dir, eos),
+        "transformers fp32, prompt lookup": lambda: transformers_run(args.checkpoint_dir, eos, prompt_lookup_num_tokens=5),
     }
     try:
         import llama_cpp  # noqa: F401
         if args.gguf.is_file():
-            configs[f"llama.cpp {args.gguf.name.split('.')[-2]}"] = lambda: llama_cpp_run(args.gguf, threads)
+            configs[f"llama.cpp {args.gguf.name.split('.')[-2]}"] = lambda: llama_cpp_run(args.gguf, threads, eos)
             if args.gguf.name.split(".")[-2] != "Q8_0":  # the 8-bit peer of our int8
-                configs["llama.cpp Q8_0"] = lambda: llama_cpp_run(benchlib.requantized_q8_0(args.gguf), threads)
+                configs["llama.cpp Q8_0"] = lambda: llama_cpp_run(benchlib.requantized_q8_0(args.gguf), threads, eos)
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp column", flush=True)
     if args.only:
@@ -184,8 +196,7 @@ def main(argv=None):
     for name, build in configs.items():  # build and warm up (compile) each, timing the first run
         t = time.perf_counter()
         built[name] = build()
-        for ids in prompts:
-            outputs[name] = built[name][0](ids, args.new_tokens)
+        outputs[name] = [built[name][0](ids, args.new_tokens) for ids in prompts]  # greedy: each run's answers
         compile_seconds[name] = time.perf_counter() - t
         best[name] = [float("inf")] * len(prompts)
         print(f"  {name}: ready in {compile_seconds[name]:.1f} s", flush=True)
@@ -197,9 +208,11 @@ def main(argv=None):
                 best[name][i] = min(best[name][i], time.perf_counter() - t)
     rows, plain = [], None
     for name, (run, stats) in built.items():
-        tps = len(prompts) * args.new_tokens / sum(best[name])
+        tokens = sum(len(answer) for answer in outputs[name])
+        tps = tokens / sum(best[name])
         plain = plain or (tps if name == "ours fp32" else None)
-        row = {"config": name, "tokens_per_sec": tps, "setup_seconds": compile_seconds[name]}
+        row = {"config": name, "tokens_per_sec": tps, "tokens": tokens, "setup_seconds": compile_seconds[name],
+               "per_question": [{"tokens": len(answer), "seconds": t} for answer, t in zip(outputs[name], best[name])]}
         if compiled and name in launches:  # after the timed runs: nothing else runs beside it
             row["launch_s"] = launch_seconds(*launches[name])
         if stats.get("accept_counts"):
@@ -207,7 +220,7 @@ def main(argv=None):
         elif "model_bytes" in stats:  # plain decode: one read of the weights per token
             row["gbs"] = stats["model_bytes"] * tps / 1e9
             row["pct_read_bw"] = 100 * row["gbs"] / bandwidth["read_gbs"]
-        if "ours fp32" in outputs:  # greedy ids of the last prompt, token for token
+        if "ours fp32" in outputs:  # greedy ids of every answer, token for token
             row["same_as_ours_fp32"] = outputs[name] == outputs["ours fp32"]
         if "," in name and name.split(",")[0] in outputs:  # speculation: its target's plain greedy ids
             row["same_as_plain"] = outputs[name] == outputs[name.split(",")[0]]
@@ -223,7 +236,7 @@ def main(argv=None):
                               "Q4_1" if "int4" in row["config"].split(",")[0] else None)
         row["x_llama_same_bits"] = row["tokens_per_sec"] / same_bits if same_bits else row["x_llama_cpp"]
     print()
-    benchlib.print_table(rows, ["config", "tokens_per_sec", "gbs", "pct_read_bw", "x_ours_fp32", "x_transformers_fp32",
+    benchlib.print_table(rows, ["config", "tokens_per_sec", "tokens", "gbs", "pct_read_bw", "x_ours_fp32", "x_transformers_fp32",
                                 "x_llama_cpp", "x_llama_same_bits",
                                 "tokens_per_target_forward", "same_as_ours_fp32", "same_as_plain", "setup_seconds",
                                 "launch_s"])
