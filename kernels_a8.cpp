@@ -509,6 +509,13 @@ struct AttentionTask {
   int64_t rows, qstride, D, lo, hi;
 };
 
+// keys or values [s0, s1) of a task asked for (a task's rows are short streams: the hardware prefetchers would
+// still be ramping up when one ends, and a decode step's cache is not in any cache after the weights went by)
+inline void prefetch_rows(const float* base, int64_t s0, int64_t s1, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(base + s0 * D);
+  for (int64_t i = 0; i < (s1 - s0) * D * int64_t(sizeof(float)); i += 64) prefetch(p + i);
+}
+
 template <int NV>  // out rows g0 .. g0 + R of the task, NV vectors of 16 starting at column c0
 AVX512 void weigh_values(const AttentionTask& w, const float* p, int64_t n, const float* inv, int64_t g0, int R,
                          int64_t c0) {
@@ -519,6 +526,7 @@ AVX512 void weigh_values(const AttentionTask& w, const float* p, int64_t n, cons
     for (int r = 0; r < RB; ++r)
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t s = 0; s < n; ++s) {
+      if (r0 == 0 && c0 == 0 && s % 4 == 0 && s + 64 < n) prefetch_rows(w.v, w.lo + s + 64, w.lo + s + 68, w.D);
       if (!w.m[w.lo + s]) continue;
       const float* vr = w.v + (w.lo + s) * w.D + c0;
       __m512 vv[NV];
@@ -537,13 +545,17 @@ AVX512 void weigh_values(const AttentionTask& w, const float* p, int64_t n, cons
 
 AVX512 void attend_avx512(const AttentionTask& w, float scale) {
   const int64_t n = w.hi - w.lo, blocks = (n + 15) / 16, D = w.D;
+  constexpr int64_t KEYS_AHEAD = 32;  // keys (and values) asked for ahead of the block being read
   std::vector<float> p(w.rows * blocks * 16), inv(w.rows);
+  prefetch_rows(w.k, w.lo, std::min(w.hi, w.lo + 2 * KEYS_AHEAD), D);
   for (int64_t g = 0; g < w.rows; ++g) {
     const float* qr = w.q + g * w.qstride;
     float* pr = p.data() + g * n;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t s0 = w.lo + 16 * b, keys = std::min<int64_t>(16, w.hi - s0);
+      if (g == 0 && s0 + 2 * KEYS_AHEAD < w.hi)
+        prefetch_rows(w.k, s0 + 2 * KEYS_AHEAD, std::min(w.hi, s0 + 2 * KEYS_AHEAD + 16), D);
       const __mmask16 valid = keys == 16 ? __mmask16(0xFFFF) : __mmask16((1u << keys) - 1);
       const __m128i mb = _mm_maskz_loadu_epi8(valid, w.m + s0);
       const __mmask16 allowed = _mm_test_epi8_mask(mb, mb);
@@ -562,6 +574,7 @@ AVX512 void attend_avx512(const AttentionTask& w, float scale) {
       mx = _mm512_max_ps(mx, sc);
       _mm512_storeu_ps(pr + 16 * b, sc);  // (p has room for the last block's 16)
     }
+    if (g == 0) prefetch_rows(w.v, w.lo, std::min(w.hi, w.lo + 2 * KEYS_AHEAD), D);
     const float top = _mm512_reduce_max_ps(mx);
     if (top == -INFINITY) {  // no key allowed: zeros, as ATen's kernels give
       std::fill_n(pr, n, 0.f);
@@ -787,6 +800,14 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   auto run = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (H * T), h = i / T % H, t = i % T;
+      if (i + 1 < i1) {  // the next task's keys and values, read while this one computes
+        const int64_t nb = (i + 1) / (H * T), nh = (i + 1) / T % H, nt = (i + 1) % T;
+        const int64_t l = lo[nb * T + nt], u = std::min(hi[nb * T + nt], l + 128);
+        if (nb != b || nh != h) {
+          prefetch_rows(k.data_ptr<float>() + (nb * H + nh) * S * D, l, u, D);
+          prefetch_rows(v.data_ptr<float>() + (nb * H + nh) * S * D, l, u, D);
+        }
+      }
       if (hi[b * T + t] == 0) {  // a token that sees no key: zeros
         for (int64_t g = 0; g < G; ++g) std::fill_n(out.data_ptr<float>() + ((b * H + h) * R + g * T + t) * D, D, 0.f);
         continue;
