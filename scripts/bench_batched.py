@@ -36,6 +36,8 @@ def time_batches(engine, speculators: dict, prompts: list, new_tokens: int, samp
     for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
         for name, speculator in list(speculators.items())[::1 if turn % 2 else -1]:
             torch.manual_seed(0)
+            if speculator is not None:  # no copying the last turn's answers to the same prompts
+                speculator.forget()
             start = time.perf_counter()
             rows, stats = generation.generate(engine, [list(p) for p in prompts], new_tokens, sampling, eos_ids=[],
                                               stop_at_eos=False, speculator=speculator)

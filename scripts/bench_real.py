@@ -56,6 +56,8 @@ def ours(model, draft_model=None, k=5, nodes=None, ngram=0, compiled=True, autot
     stats = {"model_bytes": model.model_bytes()}  # weight bytes a decode step reads
 
     def run(ids, new_tokens):
+        if speculator is not None:  # each answer as in a new run: no copying the last answer to the same question
+            speculator.forget()
         tokens, s = generation.generate(engine, torch.tensor(ids), new_tokens, decode.Sampling(), list(eos),
                                         stop_at_eos=bool(eos), speculator=speculator)
         stats.update(s)

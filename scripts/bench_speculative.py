@@ -158,6 +158,8 @@ def real_model(args):
             for turn in range(args.repeats + 1):
                 for name, (engine, speculator) in configs.items():
                     torch.manual_seed(turn)
+                    if speculator is not None:  # no copying the last turn's answer to the same prompt
+                        speculator.forget()
                     t = time.perf_counter()
                     out, stats = generation.generate(engine, rows_in if batch > 1 else torch.tensor(ids),
                                                      args.new_tokens, sampling, eos, stop_at_eos=args.stop_at_eos,

@@ -81,6 +81,8 @@ def time_ours(engine, prompt_ids: list, new_tokens: int, sampling, speculator=No
 
     def run():
         torch.manual_seed(0)
+        if speculator is not None:  # no copying the last run's answer to the same prompt
+            speculator.forget()
         out["tokens"], out["stats"] = generation.generate(engine, prompt, new_tokens, sampling, eos_ids=[],
                                                           stop_at_eos=False, speculator=speculator)
         if device.startswith("cuda"):
@@ -102,6 +104,8 @@ def time_interleaved(engine, speculators: dict, prompts: list, new_tokens: int, 
         for turn in range(repeats + 1):  # turn 0 warms up (and compiles)
             for name, speculator in speculators.items():
                 torch.manual_seed(0)
+                if speculator is not None:  # no copying the last turn's answer to the same prompt
+                    speculator.forget()
                 start = time.perf_counter()
                 tokens, stats = generation.generate(engine, prompt, new_tokens, sampling, eos_ids=[],
                                                     stop_at_eos=False, speculator=speculator)

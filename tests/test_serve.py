@@ -28,7 +28,7 @@ KEY = "test-key"
 class Running:
     """A server on a free loopback port, started in this process."""
 
-    def __init__(self, checkpoint, *flags, api_key=KEY, slow: float = 0.0, chunk=None):
+    def __init__(self, checkpoint, *flags, api_key=KEY, slow: float = 0.0, chunk=None, mode=None):
         self.args = serve.parse_args(["--checkpoint_path", str(checkpoint), "--port", "0", *map(str, flags)]
                                      + (["--api_key", api_key] if api_key else []))
         self.service = serve.Service(checkpoint.parent.name, api_key)
@@ -52,7 +52,8 @@ class Running:
                 self.shapes[tuple(x.shape)] += 1
                 time.sleep(slow)  # a slower model: every forward takes at least `slow` seconds
                 return forward(x, *a, **k)
-            scheduler.engine = dataclasses.replace(scheduler.engine, forward=forward_seen)
+            scheduler.engine = dataclasses.replace(scheduler.engine, forward=forward_seen,
+                                                   mode=mode or scheduler.engine.mode)
             return scheduler
         self.service.start(build)
         deadline = time.time() + 300
@@ -222,6 +223,26 @@ def test_sixteen_concurrent_clients_each_equal_the_library_alone(server, library
     assert server.metric("fastgen_batch_occupancy") > 0.25  # rows were shared
     # a prompt chunk is computed for its own row only ([1, C]); decoding runs the batch ([B, 1])
     assert set(server.shapes) == {(1, 16), (4, 1)} and server.metric("fastgen_prefill_steps_total") >= 16
+
+
+def test_stored_graphs_prefill_the_exact_chunk_and_stay_exact(random_target, library):
+    # the eager engine labelled as stored graphs (which take any token count): no padding to a prefill width
+    running = Running(random_target, "--max_batch_size", 3, chunk=16, mode="stored")
+    try:
+        prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(6)]
+
+        def ask(i):
+            reply = running.client.completions.create(model=running.name, prompt=prompts[i], max_tokens=9 + i,
+                                                      temperature=0)
+            return reply.choices[0].text
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(ask, range(6)))
+        assert got == [alone(library, library.tokenizer.encode_prompt(p), 9 + i)[1] for i, p in enumerate(prompts)]
+        widths = {shape[1] for shape in running.shapes if shape[0] == 1}
+        lengths = [len(library.tokenizer.encode_prompt(p)) for p in prompts]
+        assert {n % 16 for n in lengths if n % 16} <= widths and max(widths) == 16  # each chunk's rest, unpadded
+    finally:
+        running.stop()
 
 
 def test_models_health_and_metrics(server):

@@ -417,3 +417,18 @@ def test_small_chi_square_of_a_sampled_tree(broken, monkeypatch):
         monkeypatch.setattr(draftmodel, "sampled_candidates", drawn_with_replacement)
     pvalues, _ = lossless_pvalues(6, T1, draft=FAR_DRAFT, draws=3_000)
     assert (min(pvalues.values()) < REJECT_BELOW) == broken, pvalues
+
+
+def test_lookup_keeps_the_last_samples_and_forgets_on_request():
+    lookup = speculate.Lookup(3)
+    row = lookup.fresh()  # a row's lookup shares the run's earlier samples
+    for i in range(speculate.Lookup.MAX_SAMPLES + 5):
+        lookup.finish([1000 + i, 7, 8, 9])
+    # the oldest samples are gone from the index (bounded memory in a long-lived server), the newest stay
+    assert len(lookup.samples) == speculate.Lookup.MAX_SAMPLES
+    assert (1000,) not in lookup.in_samples and (1000 + speculate.Lookup.MAX_SAMPLES + 4,) in lookup.in_samples
+    assert row.trie([5, 7, 8], 1) == {9: [speculate.Lookup.MAX_SAMPLES, {}]}
+    speculator = speculate.Speculator(speculate.NgramDrafter(3, 4, 4))
+    speculator.drafter.lookup.finish([7, 8, 9])
+    speculator.forget()
+    assert speculator.drafter.lookup.fresh().trie([5, 7, 8], 1) == {}
