@@ -661,8 +661,8 @@ class Service:
 
 class Mailbox:
     """Events from the scheduler thread to one event loop's queues, handed over once per step (flush): waking the
-    loop is a system call (which also lets the loop take the GIL mid-step), and one per token per request took a
-    tenth of the scheduler thread's time at 8 rows."""
+    loop is a system call (which also lets the loop take the GIL mid-step); one per token per request was a large
+    share of the scheduler thread's time (BENCHMARKS.md, "Server under load")."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.pending, self.lock = loop, [], threading.Lock()
