@@ -27,7 +27,6 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -694,8 +693,6 @@ def create_app(service: Service):
     from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
-    mailboxes = weakref.WeakKeyDictionary()  # event loop -> its Mailbox (one serves the app; tests run several)
-
     def error_response(e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
@@ -761,11 +758,12 @@ def create_app(service: Service):
                            f"server's context of {context} tokens: lower `max_tokens` to at most "
                            f"{context - len(prompt_ids)}", "max_tokens", "context_length_exceeded")
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        if mailboxes.get(loop) is None:
-            mailboxes[loop] = Mailbox(loop)
-            scheduler.mailboxes = [m for m in scheduler.mailboxes if not m.loop.is_closed()] + [mailboxes[loop]]
+        mailbox = next((m for m in scheduler.mailboxes if m.loop is loop), None)
+        if mailbox is None:  # this event loop's first request (one loop serves the app; tests run several)
+            mailbox = Mailbox(loop)
+            scheduler.mailboxes = [m for m in scheduler.mailboxes if not m.loop.is_closed()] + [mailbox]
         r = Request(prompt_ids, max_tokens, Sampling(settings["temperature"], settings["top_k"], settings["top_p"]),
-                    settings["seed"], settings["stop"], functools.partial(mailboxes[loop].post, events))
+                    settings["seed"], settings["stop"], functools.partial(mailbox.post, events))
         scheduler.submit(r)
         watcher = asyncio.create_task(watch_disconnect(request, r, scheduler, events))
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
