@@ -107,12 +107,18 @@ def test_cgroup_memory_limit_is_read(tmp_path, files, self_cgroup, free):
     assert generation.cgroup_available_memory(root, tmp_path / "self") == free
 
 
-def test_cpu_memory_is_the_smaller_of_host_and_cgroup(tmp_path):
-    """A container's limit, far below what the host has free, is the figure sizes are checked against."""
+def test_cpu_memory_is_the_smaller_of_host_and_cgroup(tmp_path, monkeypatch):
+    """A container's limit, far below what the host has free, is the figure sizes are checked against. The host's
+    figure is fixed here: the real one moves between two reads while other tests run beside this one."""
     root = cgroup(tmp_path, memory_dot_max=f"{1 << 20}", memory_dot_current="0")
+    monkeypatch.setattr(generation, "host_available_memory", lambda: 8 * GIB)
     assert generation.available_memory("cpu", cgroup_root=root) == 1 << 20
-    assert generation.available_memory("cpu", cgroup_root=tmp_path / "none") == generation.host_available_memory() \
-        or generation.host_available_memory() is None
+    assert generation.available_memory("cpu", cgroup_root=tmp_path / "none") == 8 * GIB
+    monkeypatch.setattr(generation, "host_available_memory", lambda: 1000)
+    assert generation.available_memory("cpu", cgroup_root=root) == 1000
+    monkeypatch.setattr(generation, "host_available_memory", lambda: None)
+    assert generation.available_memory("cpu", cgroup_root=root) == 1 << 20
+    assert generation.available_memory("cpu", cgroup_root=tmp_path / "none") is None
 
 
 # ----------------------------------------------------------------------------- chat templates: loops, output, time
