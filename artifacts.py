@@ -1,7 +1,7 @@
 """Stored compiled graphs: where they live, what keys them, and why loading one is safe.
 
 A stored graph is the shared library AOTInductor compiles (its code and frozen weights), so loading one runs
-native code.
+native code; stored kernels (decode.CompileCache, NAME.bin: torch's cache artifacts) hold compiled code as well.
 Two rules keep that safe and correct:
 - Keyed: its name and its metadata carry a hash of everything that changes the code generated (the weights file's
   identity, the config, the dtypes and quantization scheme, the shapes, the compile options, the torch version, the
@@ -106,10 +106,10 @@ def directory_for(checkpoint_path) -> Path:
     return cache_home() / "compiled" / name
 
 
-def find(directory: Path, name: str, key: str):
-    """The stored library `name` if it exists, was built for `key` and carries this user's signature: (path,
-    None); else (None, why it cannot be used, or None when there is none)."""
-    library, meta_path = directory / f"{name}.so", directory / f"{name}.meta.json"
+def find(directory: Path, name: str, key: str, suffix: str = ".so"):
+    """The stored library `name` (or another artifact: `suffix`) if it exists, was built for `key` and carries this
+    user's signature: (path, None); else (None, why it cannot be used, or None when there is none)."""
+    library, meta_path = directory / f"{name}{suffix}", directory / f"{name}.meta.json"
     if not library.exists() or not meta_path.exists():
         return None, None
     try:
@@ -123,11 +123,11 @@ def find(directory: Path, name: str, key: str):
     return library, None
 
 
-def store(directory: Path, name: str, key: str, fields: dict, build) -> Path:
-    """Build the library into a temp file beside its final name (`build(path)`, which returns its operator table's
-    text or None), then publish them and the signed metadata; other libraries of the same name stem (older keys) are
-    removed. Returns the library's path."""
-    library, meta_path, table = directory / f"{name}.so", directory / f"{name}.meta.json", directory / f"{name}.json"
+def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str = ".so") -> Path:
+    """Build the library (or another artifact: `suffix`) into a temp file beside its final name (`build(path)`,
+    which returns its operator table's text or None), then publish them and the signed metadata; other artifacts of
+    the same name stem (older keys) are removed. Returns the artifact's path."""
+    library, meta_path, table = directory / f"{name}{suffix}", directory / f"{name}.meta.json", directory / f"{name}.json"
     start = time.perf_counter()
     built = {}
     table.unlink(missing_ok=True)
@@ -141,8 +141,8 @@ def store(directory: Path, name: str, key: str, fields: dict, build) -> Path:
     for old in directory.glob(f"{stem}-*.meta.json"):
         old_name = old.name[:-len(".meta.json")]
         if old_name != name:
-            for suffix in (".so", ".json", ".meta.json"):
-                (directory / f"{old_name}{suffix}").unlink(missing_ok=True)
+            for old_suffix in (".so", ".bin", ".json", ".meta.json"):
+                (directory / f"{old_name}{old_suffix}").unlink(missing_ok=True)
     return library
 
 

@@ -168,6 +168,7 @@ class Engine:
     options: dict = None  # torch.compile's keyword arguments of this engine's whole graphs
     features: tuple = ()  # blocks whose inputs forward_features returns beside the logits (a draft head's features)
     forward_features: callable = None  # forward() that also returns those features (Transformer.forward_features)
+    cache: object = None  # the CompileCache its callables store their kernels in (modes compiled in the process)
 
     def __post_init__(self):
         if self.forward is None:
@@ -251,8 +252,9 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
         return Engine(model, mode, prefill=dropping_model(prefill, forward),
                       decode_one_token=dropping_model(decode_one_token, forward), forward=forward, features=features,
                       forward_features=stored if features else None)
+    cache = CompileCache.for_model(model, device, mode)
     if mode == "regional":
-        return compile_regions(model, compile_prefill, features)
+        return persisting(compile_regions(model, compile_prefill, features), cache)
     options = graph_options(model, device, mode)
     engine = Engine(model, mode, options=options, features=features)
     if features:  # verification at one width, prefill at many: automatic dynamic shapes
@@ -262,6 +264,114 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     engine.forward = torch.compile(model, fullgraph=True, dynamic=False, **options)
     if compile_prefill:
         engine.prefill = torch.compile(prefill, fullgraph=True, dynamic=True, **options)
+    return persisting(engine, cache)
+
+
+class CompileCache:
+    """The kernels of the graphs an engine compiles in its process (whole and autotune graphs, CUDA's included;
+    regions), kept beside the checkpoint as torch's portable cache artifacts (torch.compiler.save_cache_artifacts:
+    inductor's FX graphs, AOTAutograd, Triton kernels and autotuning choices). A later process loads them before
+    compiling, so its compiles are cache hits: dynamo still traces, but nothing is code-generated, built or tuned
+    again. Keyed and signed like stored graphs (artifacts.py): loading deserializes code, so only artifacts this
+    user built on this machine for this model, software and device are loaded. Frozen CPU graphs are not cacheable
+    by inductor (they are what stored graphs are for), so on CPU this keeps the regions'."""
+
+    def __init__(self, model: Transformer, device: str, mode: str):
+        import artifacts
+        self.fields = {"weights": artifacts.file_identity(model.checkpoint_path),
+                       "config": dataclasses.asdict(model.args), "scheme": model.quantization,
+                       "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}), "device": device,
+                       "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+                       "mode": mode, "machine": artifacts.machine(), "sources": artifacts.sources_digest(TRACED_MODULES)}
+        self.key = artifacts.key_of(self.fields)
+        self.directory = artifacts.directory_for(model.checkpoint_path)
+        self.name = f"{Path(model.checkpoint_path).stem}-kernels-{mode}-{self.key[:16]}"
+        self.compiled = compiled_count()
+
+    @classmethod
+    def for_model(cls, model: Transformer, device: str, mode: str) -> Optional["CompileCache"]:
+        """The cache of a model loaded from a file (None for one built in memory, or under tensor parallelism,
+        whose ranks compile their own shards), its stored kernels loaded if there are valid ones."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if getattr(model, "checkpoint_path", None) is None or distributed:
+            return None
+        cache = cls(model, device, mode)
+        cache.load()
+        return cache
+
+    def load(self):
+        import artifacts
+        path, refused = artifacts.find(self.directory, self.name, self.key, ".bin")
+        if refused:
+            print(f"refusing the stored kernels {self.directory / self.name}.bin: {refused}; compiling again",
+                  file=sys.stderr)
+        if path is not None:
+            try:
+                hot_load(path.read_bytes())
+            except Exception as e:  # torch changed its format within a version: compile as if there were none
+                print(f"refusing the stored kernels {path}: they do not load ({type(e).__name__}); compiling "
+                      f"again", file=sys.stderr)
+
+    def save_if_new(self):
+        """After a call: if this process compiled something new, store everything it compiled so far."""
+        count = compiled_count()
+        if count == self.compiled:
+            return
+        self.compiled = count
+        import artifacts
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None and saved[0]:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+            def write(tmp):
+                Path(tmp).write_bytes(saved[0])
+            artifacts.store(self.directory, self.name, self.key, self.fields, write, ".bin")
+
+
+def hot_load(blob: bytes):
+    """torch.compiler.load_cache_artifacts, and the loaded artifacts recorded as this process's own: torch saves only
+    what a process compiled or looked up, so a process that adds one graph would otherwise store a cache without the
+    graphs it loaded and did not run. Where torch's internals differ, the public load alone."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager as manager
+        artifacts = manager.deserialize(blob)
+        seen, new = manager._seen_artifacts, manager._new_cache_artifacts
+    except (ImportError, AttributeError):
+        torch.compiler.load_cache_artifacts(blob)
+        return
+    if artifacts is None:
+        raise ValueError("unreadable cache artifacts")
+    manager.populate_caches(artifacts)
+    for kind, items in artifacts.items():
+        for artifact in items:
+            if artifact not in seen:
+                new[kind].append(artifact)
+                seen.add(artifact)
+
+
+def compiled_count() -> int:
+    """Graphs inductor has code-generated in this process (cache misses: what a stored cache would have saved)."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["fxgraph_cache_miss"]
+
+
+def persisting(engine: Engine, cache: Optional[CompileCache]) -> Engine:
+    """The engine, with each callable storing the compile cache after a call that compiled something."""
+    if cache is None:
+        return engine
+
+    def after(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            cache.save_if_new()
+            return out
+        return run
+    for name in ("prefill", "decode_one_token", "forward", "forward_features"):
+        fn = getattr(engine, name)
+        if fn is not None:
+            setattr(engine, name, after(fn))
+    engine.cache = cache
     return engine
 
 

@@ -3,6 +3,8 @@
     python scripts/compile_model.py --checkpoint_path checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth \
         --draft_checkpoint_path checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int4.g32.pth --speculate_k 5
 
+On CUDA (and for `--compile whole` / `regional`) the graphs compile in the process and what is stored is their
+kernels (decode.CompileCache), so later processes skip code generation, builds and autotuning.
 A stored graph serves one batch size and one cache length (prompt + new tokens, rounded up to a power of two from
 256); it is dynamic in the tokens per call, so decode, verification and prefill share it. --max_tokens lists the
 cache lengths to build (default 256 and 512: what generate.py's default 200 new tokens after a prompt of up to 300
@@ -28,8 +30,8 @@ def compile_model(checkpoint_path, draft_checkpoint_path=None, speculation=None,
     dtype = PRECISIONS[precision or ("bf16" if device.startswith("cuda") else "fp32")]
     generator = Generator.build(checkpoint_path, device, dtype, draft_checkpoint_path, speculation, mode,
                                 batch_size=batch_size)
-    if not generator.target.mode.startswith("stored"):
-        raise UserError(f"`compile` {mode} does not store graphs here ({generator.target.mode}): use auto or autotune")
+    if not generator.target.mode.startswith("stored") and generator.target.cache is None:
+        raise UserError(f"`compile` {mode} stores nothing here ({generator.target.mode}): use auto or autotune")
     models = [generator.model] + [getattr(getattr(generator.speculator, "drafter", None), "draft_model", None)]
     rows = []
     for tokens in sorted(set(max_tokens)):  # ascending: each length grows the caches (they never shrink)
@@ -56,7 +58,8 @@ def main():
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--max_tokens", type=int, nargs="+", default=[256, 512],
                    help="cache lengths (prompt + new tokens) to build graphs for")
-    p.add_argument("--compile", default="auto", choices=["auto", "autotune"])
+    p.add_argument("--compile", default="auto", choices=["auto", "autotune", "whole", "regional"],
+                   help="auto / autotune: stored graphs on CPU; CUDA and the in-process modes store their kernels")
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None)
     args = p.parse_args()
@@ -73,6 +76,7 @@ def main():
         directory = artifacts.directory_for(row["model"])
         stem = f"{Path(row['model']).stem}-b{row['batch']}of{row['batch']}-s{row['positions']}-"
         size = sum(p.stat().st_size for p in directory.glob(stem + "*.so"))
+        size += sum(p.stat().st_size for p in directory.glob(f"{Path(row['model']).stem}-kernels-*.bin"))
         print(f"{row['model']:60s} {row['batch']:5d} {row['positions']:9d} {row['seconds']:7.1f} {size / 1e6:8.1f}")
     print(f"stored in {artifacts.directory_for(args.checkpoint_path)} ({time.perf_counter() - start:.0f} s in all)")
 

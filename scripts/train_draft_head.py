@@ -7,19 +7,21 @@
 1. Prompts: questions the target writes itself about a list of everyday subjects (self-instruct: as varied as what
    users ask), questions about the Python standard library's own modules and docstrings (parsed from its sources,
    not imported), and paragraphs of --text FILE (repeatable) to summarize or continue.
-2. Self-distillation (EAGLE, HASS): the target answers them itself through the batched engine, greedily and at
-   temperature 0.7, in its chat template, so the head learns what the target says, not what a dataset says.
+2. Self-distillation (EAGLE, HASS): the target answers them itself, `--batch_size` rows decoded together (eagerly:
+   no graph to build), greedily and at temperature 0.7, in its chat template, so the head learns what the target
+   says, not what a dataset says. The forwards that write an answer also give the head's inputs and labels: every
+   position's features (inputs of a low, a middle and a high block, EAGLE-3) and the target's top-k next-token
+   probabilities, so no second pass over the conversations is needed and the time goes to more of them.
 3. Optionally (--text_chars), text-forced conversations (EAGLE trained on fixed text): passages of prose that ship
    offline (--text files, the Python documentation's topics, the standard library's docstrings) as the assistant's
-   answers; the labels are still the target's own next-token probabilities at every position, at the cost of one
-   forward per token instead of one decode step. Measured on SmolLM2 within the same training time they lowered the
-   held-out acceptance (fewer passes over the target's own answers), so they are off by default.
-4. One eager pass of the target (in bf16) over every conversation keeps its features (inputs of a low, a middle and
-   a high block, EAGLE-3) and its top-k next-token probabilities at every position.
-5. The draft vocabulary is the most frequent tokens of the distilled answers (FR-Spec, Zhao et al. 2025).
-6. Training-time test (EAGLE-3, Li et al. 2025): step s at slot p feeds the head its own step s - 1 output from slot
+   answers; the labels are still the target's own next-token probabilities at every position, from one more
+   forward over each (a bf16 copy of the target). Measured on SmolLM2 within the same training time they lowered
+   the held-out acceptance (fewer passes over the target's own answers), so they are off by default.
+4. The draft vocabulary is the most frequent tokens of the distilled answers (FR-Spec, Zhao et al. 2025).
+5. Training-time test (EAGLE-3, Li et al. 2025): step s at slot p feeds the head its own step s - 1 output from slot
    p - 1 and attends the real entries up to the chain's root p - s + 1 plus its own chain: the head learns to draft
-   from its own predictions, as it does at depth s. Loss: cross-entropy against the target's top-k distribution.
+   from its own predictions, as it does at depth s. Loss: cross-entropy against the target's top-k distribution;
+   products in bf16 where the CPU has bf16 dot products (weights and optimizer state stay float32).
 Each phase's result is kept in OUT/work/ (written atomically); run the same command again to resume.
 """
 import argparse
@@ -124,36 +126,49 @@ def prose_passages(texts: list, chars: int, rng: random.Random) -> list:
     return out
 
 
-def forced_conversations(generator, passages: list, chat: bool, rng: random.Random, max_len: int) -> dict:
-    """Each passage as the answer to a request for it: {"prompt_ids", "answers"} like answer()'s, at most max_len
-    positions each."""
+def forced_conversations(model, tokenizer, passages: list, chat: bool, rng: random.Random, max_len: int) -> dict:
+    """Each passage as the answer to a request for it: {"prompt_ids", "answers"}, at most max_len positions each."""
     data = {"prompt_ids": [], "answers": []}
     for title, text in passages:
-        prompt = generator.encode(rng.choice(FORCED_ASKS).format(title=title), chat=chat)
-        body = generator.tokenizer.encode(text)[:max(0, max_len - len(prompt))]
+        prompt = encode(tokenizer, model, rng.choice(FORCED_ASKS).format(title=title), chat)
+        body = tokenizer.encode(text)[:max(0, max_len - len(prompt))]
         if len(body) >= 16:
             data["prompt_ids"].append(prompt)
             data["answers"].append(body)
     return data
 
 
-def ask_questions(generator, count: int, path: Path, batch_size: int, chat: bool, seed: int) -> list:
+def ask_questions(model, tokenizer, eos, count: int, path: Path, batch_size: int, chat: bool, seed: int) -> list:
     """`count` questions written by the target itself (sampled), kept in `path`."""
     if path.exists():
         return json.loads(path.read_text())
+    from tqdm import tqdm
     from decode import Sampling
     rng = random.Random(seed + 1)
     asks = [QUESTION_PROMPT.format(ask=rng.choice(ASKS), subject=rng.choice(SUBJECTS)) for _ in range(2 * count)]
-    data = answer(generator, asks, None, 48, batch_size, chat, seed, sampled=lambda i: Sampling(1.0, top_k=50))
+    prompts = [encode(tokenizer, model, a, chat) for a in asks]
     questions = []
-    for row in data["answers"]:
-        row = [t for t in row if t not in generator.eos_ids]  # the end of turn is not part of the question
-        text = generator.tokenizer.decode(row).strip().split("\n")[0].strip().strip('"').strip()
-        if 15 <= len(text) <= 300 and text not in questions:
-            questions.append(text)
+    for i in tqdm(range(0, len(prompts), batch_size), desc="writing questions", unit="batch"):
+        torch_seed(seed + i)
+        rows = decode_batch(model, prompts[i:i + batch_size], batch_size, 48, Sampling(1.0, top_k=50), eos, keep=False)
+        for row in rows:
+            row = [t for t in row["answer"] if t not in eos]  # the end of turn is not part of the question
+            text = tokenizer.decode(row).strip().split("\n")[0].strip().strip('"').strip()
+            if 15 <= len(text) <= 300 and text not in questions:
+                questions.append(text)
     questions = questions[:count]
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(questions, indent=0)))
     return questions
+
+
+def encode(tokenizer, model, text: str, chat: bool) -> list:
+    from generation import encode_prompt
+    return encode_prompt(text, tokenizer, model.args.vocab_size, 0, chat)
+
+
+def torch_seed(seed: int):
+    import torch
+    torch.manual_seed(seed)
 
 
 def make_prompts(count: int, texts: list, seed: int, questions: list) -> list:
@@ -176,52 +191,102 @@ def make_prompts(count: int, texts: list, seed: int, questions: list) -> list:
 
 # ----------------------------------------------------------------------------- phases
 
-def answer(generator, prompts: list, path, max_new_tokens: int, batch_size: int, chat: bool, seed: int,
-           sampled=None):
-    """The target's own answers, batch by batch, appended to `path` (resumable; None: not kept):
-    {"prompt_ids", "answers"}. Half of the batches greedy, half at T = 0.7 (or sampled(i) for every batch)."""
+def decode_batch(model, prompts: list, batch_size: int, max_new_tokens: int, sampling, eos: set, keep: bool = True,
+                 layers: tuple = (), top_k: int = 8) -> list:
+    """The target's answers to a batch of prompts (lists of ids, right-padded into one cache), decoded eagerly with
+    one [B, 1] step per token. keep: also every fed position's features (bf16, the inputs of `layers`) and top-k
+    next-token ids / probabilities, taken from the forwards that generate the answer, so no second pass over the
+    conversations is needed. A row ends before its end-of-turn token: the last position's labels predict it.
+    Returns per row {"answer": generated ids} (+ "tokens", "features", "top_ids", "top_probs" over prompt + answer)."""
+    import torch
+    from decode import sample
+    count = len(prompts)
+    prompts = prompts + prompts[-1:] * (batch_size - count)  # the last batch padded: one cache shape throughout
+    B, lens = len(prompts), [len(p) for p in prompts]
+    T = max(lens)
+    with torch.no_grad():
+        model.setup_caches(B, T + max_new_tokens + 1)
+        x = torch.tensor([p + [0] * (T - len(p)) for p in prompts])
+        h, prompt_features = model.run_layers(x, torch.arange(T).expand(B, T), None, None, None, layers)
+        last = torch.tensor(lens) - 1
+        logits = model.output(model.norm(h[torch.arange(B), last])).float()  # [B, V]
+        answers, done, pos = [[] for _ in prompts], [False] * B, last.clone()
+        labels, fed = [], []  # per step: top-k ids and probabilities [B, k]; features of the tokens fed [B, F]
+        for step in range(max_new_tokens):
+            if keep:
+                top = torch.topk(logits, top_k, dim=-1)
+                labels.append((top.indices.to(torch.int32),
+                               (top.values - torch.logsumexp(logits, -1, keepdim=True)).exp().to(torch.float16)))
+            token = sample(logits, sampling)[0]
+            for b, t in enumerate(token.tolist()):
+                if not done[b]:
+                    answers[b].append(t)
+                    done[b] = t in eos or step == max_new_tokens - 1
+            if all(done):
+                break
+            pos += 1
+            h, features = model.run_layers(token.view(B, 1), pos.view(B, 1), None, None, None, layers)
+            logits = model.output(model.norm(h[:, 0])).float()
+            if keep:
+                fed.append(features[:, 0].to(torch.bfloat16))
+    if not keep:
+        return [{"answer": a} for a in answers[:count]]
+    ids, probs = torch.stack([i for i, _ in labels], 1), torch.stack([v for _, v in labels], 1)  # [B, steps, k]
+    fed = torch.stack(fed, 1) if fed else prompt_features.new_zeros(B, 0, prompt_features.shape[-1])
+    out = []
+    for b in range(count):
+        n, steps = lens[b], len(answers[b])  # a row's steps: its answer's tokens, of which all but the last were fed
+        row_ids = torch.zeros(n + steps - 1, top_k, dtype=torch.int32)
+        row_probs = torch.zeros(n + steps - 1, top_k, dtype=torch.float16)  # zero before the prompt's end: no label
+        row_ids[n - 1:], row_probs[n - 1:] = ids[b, :steps], probs[b, :steps]
+        out.append({"answer": answers[b], "tokens": torch.tensor(prompts[b] + answers[b][:-1], dtype=torch.int32),
+                    "features": torch.cat([prompt_features[b, :n].to(torch.bfloat16), fed[b, :steps - 1]]),
+                    "top_ids": row_ids, "top_probs": row_probs})
+    return out
+
+
+def distill(model, prompts: list, work: Path, max_new_tokens: int, batch_size: int, eos: set, layers: tuple,
+            top_k: int, seed: int) -> dict:
+    """Self-distillation: the target's own answers to `prompts`, half of the batches greedy, half at T = 0.7, with
+    their features and labels (decode_batch). Each batch is kept in work/distilled/ (resumable)."""
     import torch
     from tqdm import tqdm
     from decode import Sampling
-    done = torch.load(path, weights_only=True) if path and path.exists() else {"prompt_ids": [], "answers": []}
-    ids = [generator.encode(p, chat=chat) for p in prompts]
-    ids = [i[-(generator.model.args.block_size - max_new_tokens - generator.lookahead - 1):] for i in ids]
-    generator.reserve(batch_size, max(map(len, ids)) + max_new_tokens)  # one cache size: one compiled graph
-    start = len(done["answers"])
-    bar = tqdm(total=len(ids), initial=start, desc="distilling answers" if path else "writing questions",
-               unit="prompt")
-    for i in range(start, len(ids), batch_size):
-        batch = ids[i:i + batch_size]
-        torch.manual_seed(seed + i)
-        # half of the batches greedy, half sampled: the head serves both
-        sampling = Sampling(0.0) if (i // batch_size) % 2 == 0 else Sampling(0.7, top_k=50)
-        sampling = sampled(i) if sampled else sampling
-        padded = batch + batch[-1:] * (batch_size - len(batch))  # the batch size the graph was built for
-        rows, _ = generator.generate(padded, max_new_tokens, sampling)
-        rows = rows[:len(batch)]
-        done["prompt_ids"] += batch
-        done["answers"] += [list(r) for r in rows]
-        if path:
-            write_atomically(path, lambda tmp: torch.save(done, tmp))
-        bar.update(len(batch))
-    bar.close()
-    return done
+    shards = work / "distilled"
+    shards.mkdir(parents=True, exist_ok=True)
+    data = {"tokens": [], "prompt_len": [], "features": [], "top_ids": [], "top_probs": []}
+    for i in tqdm(range(0, len(prompts), batch_size), desc="distilling answers", unit="batch"):
+        shard = shards / f"{i:06d}.pt"
+        batch = prompts[i:i + batch_size]
+        if shard.exists():
+            rows = torch.load(shard, weights_only=True)
+        else:
+            torch_seed(seed + i)
+            # half of the batches greedy, half sampled: the head serves both
+            sampling = Sampling(0.0) if (i // batch_size) % 2 == 0 else Sampling(0.7, top_k=50)
+            rows = decode_batch(model, batch, batch_size, max_new_tokens, sampling, eos, True, layers, top_k)
+            rows = [{k: v for k, v in row.items() if k != "answer"} for row in rows]
+            write_atomically(shard, lambda tmp: torch.save(rows, tmp))
+        for p, row in zip(batch, rows):
+            if len(row["tokens"]) > len(p):  # an answer of one token (end of turn at once) teaches nothing
+                for key in ("tokens", "features", "top_ids", "top_probs"):
+                    data[key].append(row[key])
+                data["prompt_len"].append(len(p))
+    return data
 
 
 def features(model, layers: tuple, data: dict, path: Path, top_k: int):
     """The target's features [n, F] (bf16) and top-k next-token ids / probabilities at every position of every
     conversation; one forward each, of a bf16 copy of the target (about twice as fast on CPUs with bf16 dot products;
-    the labels move by bf16's rounding). data["forced"]: how many of the last conversations are text-forced."""
+    the labels move by bf16's rounding): what text-forced conversations need, as they are not decoded."""
     import copy
     import torch
     from tqdm import tqdm
     if path.exists():
         return torch.load(path, weights_only=True)
     seqs = [p + a for p, a in zip(data["prompt_ids"], data["answers"])]
-    forced = data.get("forced", 0)
     out = {"tokens": [None] * len(seqs), "prompt_len": [len(p) for p in data["prompt_ids"]],
-           "features": [None] * len(seqs), "top_ids": [None] * len(seqs), "top_probs": [None] * len(seqs),
-           "forced": [i >= len(seqs) - forced for i in range(len(seqs))]}
+           "features": [None] * len(seqs), "top_ids": [None] * len(seqs), "top_probs": [None] * len(seqs)}
     half = copy.deepcopy(model).to(torch.bfloat16)
     group = 8  # conversations per forward, right-padded (padding comes after every position that is kept)
     half.setup_caches(group, max(map(len, seqs)) + 1)
@@ -327,6 +392,13 @@ def make_batches(data: dict, to_draft, order: list, batch_size: int, max_len: in
         yield batch
 
 
+def autocast():
+    """bf16 products with float32 weights and optimizer state where the CPU multiplies bf16 natively (AVX-512):
+    a training step in about 0.6 of the float32 time, so more of the data in the same minutes."""
+    import torch
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
     import torch
     from tqdm import tqdm
@@ -377,7 +449,8 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        loss, hits, counted = ttt_loss(head, batch, args.ttt_steps)
+        with autocast():
+            loss, hits, counted = ttt_loss(head, batch, args.ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -396,7 +469,8 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
     with torch.no_grad():
         hits, counted = [0] * args.ttt_steps, [0] * args.ttt_steps
         for batch in make_batches(data, to_draft, held, args.train_batch, args.max_len):
-            _, h, c = ttt_loss(head, batch, args.ttt_steps)
+            with autocast():
+                _, h, c = ttt_loss(head, batch, args.ttt_steps)
             hits = [a + b for a, b in zip(hits, h)]
             counted = [a + b for a, b in zip(counted, c)]
     accuracy = [h / max(c, 1) for h, c in zip(hits, counted)]
@@ -412,15 +486,14 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, required=True, help="directory for the head (config.json, "
                                                                 "model.safetensors) and its work files")
     parser.add_argument("--text", type=Path, action="append", default=[], help="more text to make prompts from")
-    parser.add_argument("--prompts", type=int, default=480, help="conversations to distill")
+    parser.add_argument("--prompts", type=int, default=1536, help="conversations to distill")
     parser.add_argument("--own_questions", type=float, default=0.6,
                         help="share of the prompts that are questions the target writes itself")
     parser.add_argument("--max_new_tokens", type=int, default=160, help="length of each distilled answer")
     parser.add_argument("--text_chars", type=int, default=0,
                         help="characters of offline prose to add as text-forced conversations (default none: within "
                              "the time budget they cost passes over the distilled answers, BENCHMARKS.md)")
-    parser.add_argument("--batch_size", type=int, default=16, help="rows of the batched engine while distilling")
-    parser.add_argument("--compile", default="auto", help="compile mode of the distilling engine")
+    parser.add_argument("--batch_size", type=int, default=64, help="rows decoded together while distilling")
     parser.add_argument("--draft_vocab", type=int, default=8192, help="tokens the head can draft (FR-Spec)")
     parser.add_argument("--top_k", type=int, default=8, help="target probabilities kept per position")
     parser.add_argument("--ttt_steps", type=int, default=3, help="training-time-test depth")
@@ -428,7 +501,7 @@ def main(argv=None):
     parser.add_argument("--train_batch", type=int, default=8, help="conversations per training step")
     parser.add_argument("--max_len", type=int, default=512, help="positions per conversation in training")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--max_minutes", type=float, default=20.0,
+    parser.add_argument("--max_minutes", type=float, default=18.0,
                         help="training time: the learning-rate schedule ends there")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -448,37 +521,44 @@ def main(argv=None):
             raise UserError(f"cannot read `text` {path} ({e}): pass a UTF-8 text file") from None
     import torch
     import drafthead
-    from generation import Generator
+    from generation import load_model
+    from kernels import use_fast_weight_layout
+    from tokenizer import get_tokenizer
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     work = args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    generator = Generator.build(args.checkpoint_path, compile=args.compile, batch_size=args.batch_size)
-    chat = generator.tokenizer.chat_template is not None  # answers as the target gives them in a chat
-    generator.reserve(args.batch_size, 480)  # one cache size (512) for both phases: one compiled graph
-    questions = ask_questions(generator, round(args.prompts * args.own_questions), work / "questions.json",
-                              args.batch_size, chat, args.seed) if args.own_questions > 0 else []
+    target = load_model(args.checkpoint_path)
+    use_fast_weight_layout(target)  # products of batch_size rows on oneDNN-packed weights
+    tokenizer = get_tokenizer(args.checkpoint_path.parent)
+    eos = set(target.args.eos_token_ids) | set(tokenizer.eos_ids)
+    chat = tokenizer.chat_template is not None  # answers as the target gives them in a chat
+    questions = ask_questions(target, tokenizer, eos, round(args.prompts * args.own_questions),
+                              work / "questions.json", args.batch_size, chat, args.seed) if args.own_questions > 0 else []
     prompts = make_prompts(args.prompts, texts, args.seed, questions)
-    data = answer(generator, prompts, work / "answers.pt", args.max_new_tokens, args.batch_size, chat, args.seed)
+    limit = target.args.block_size - args.max_new_tokens - 1
+    ids = [encode(tokenizer, target, p, chat)[-limit:] for p in prompts]
+    layers = drafthead.HeadArgs.for_target(target, 1).target_layers
+    data = distill(target, ids, work, args.max_new_tokens, args.batch_size, eos, layers, args.top_k, args.seed)
+    data["forced"] = [False] * len(data["tokens"])
     distilled = time.perf_counter()
     if args.text_chars > 0:
         passages = prose_passages(texts, args.text_chars, random.Random(args.seed + 2))
-        extra = forced_conversations(generator, passages, chat, random.Random(args.seed + 3), args.max_len)
-        data = {"prompt_ids": data["prompt_ids"] + extra["prompt_ids"], "answers": data["answers"] + extra["answers"],
-                "forced": len(extra["answers"])}
-    target = generator.model
-    layers = drafthead.HeadArgs.for_target(target, 1).target_layers
-    data = features(target, layers, data, work / "features.pt", args.top_k)
+        extra = forced_conversations(target, tokenizer, passages, chat, random.Random(args.seed + 3), args.max_len)
+        extra = features(target, layers, extra, work / "forced.pt", args.top_k)
+        for key in ("tokens", "prompt_len", "features", "top_ids", "top_probs"):
+            data[key] += extra[key]
+        data["forced"] += [True] * len(extra["tokens"])
     vocab = draft_vocabulary(data, args.draft_vocab, target.args.vocab_size)
-    featured = time.perf_counter()
+    forced_done = time.perf_counter()
     head, stats = train(target, data, vocab, args.out, work, args)
-    forced = data.get("forced") or [False] * len(data["tokens"])
+    forced = data["forced"]
     answer_tokens = sum(len(t) - n for t, n, f in zip(data["tokens"], data["prompt_len"], forced) if not f)
     text_tokens = sum(len(t) - n for t, n, f in zip(data["tokens"], data["prompt_len"], forced) if f)
     stats.update({"target": str(args.checkpoint_path), "conversations": len(data["tokens"]),
                   "answer_tokens": answer_tokens, "text_forced_tokens": text_tokens, "draft_vocab": len(vocab),
                   "ttt_steps": args.ttt_steps,
-                  "distill_seconds": distilled - started, "feature_seconds": featured - distilled,
+                  "distill_seconds": distilled - started, "text_forced_seconds": forced_done - distilled,
                   "total_seconds": time.perf_counter() - started})
     head.args.trained_for = {k: stats[k] for k in ("target", "conversations", "answer_tokens", "text_forced_tokens",
                                                    "steps")}

@@ -281,6 +281,25 @@ def test_prose_passages_put_the_users_text_first_and_stop_near_the_budget(tmp_pa
     assert 30_000 <= total <= 33_000 and len({title for title, _ in passages}) > 1  # the user's, then the stdlib's
     assert all(300 <= len(text) <= 3000 for _, text in passages)
 
+def test_questions_the_target_writes_leave_out_its_end_of_turn(tmp_path, monkeypatch):
+    """The target's own questions become prompts: the end-of-turn token it closes each with is not part of the
+    text (decoded, it would be the literal marker inside the next prompt)."""
+    import types
+    import train_draft_head
+    EOS = 2
+
+    def fake_batch(model, prompts, batch_size, max_new_tokens, sampling, eos, keep=False):
+        return [{"answer": [10 + i, 11, EOS]} for i in range(len(prompts))]
+    monkeypatch.setattr(train_draft_head, "decode_batch", fake_batch)
+    tokenizer = types.SimpleNamespace(
+        decode=lambda ids: " ".join("<|end|>" if t == EOS else f"Is word{t} a fine question" for t in ids),
+        chat_ids=lambda messages: [1, 2, 3])
+    model = types.SimpleNamespace(args=types.SimpleNamespace(vocab_size=64))
+    questions = train_draft_head.ask_questions(model, tokenizer, {EOS}, 3, tmp_path / "q.json", 4, True, 0)
+    assert len(questions) == 3 and not any("<|end|>" in q for q in questions), questions
+    assert json.loads((tmp_path / "q.json").read_text()) == questions
+
+
 @pytest.mark.slow
 def test_training_makes_a_better_drafter(trained_pair, tmp_path):
     """scripts/train_draft_head.py on the tiny trained target, in seconds: the loss falls, the trained head drafts
@@ -288,7 +307,7 @@ def test_training_makes_a_better_drafter(trained_pair, tmp_path):
     import train_draft_head
     target = trained_pair / "target" / "model.pth"
     argv = ["--checkpoint_path", str(target), "--out", str(tmp_path / "head"), "--prompts", "48",
-            "--max_new_tokens", "40", "--batch_size", "8", "--compile", "none", "--epochs", "8", "--train_batch", "4",
+            "--max_new_tokens", "40", "--batch_size", "8", "--epochs", "8", "--train_batch", "4",
             "--draft_vocab", "256", "--lr", "3e-3", "--text_chars", "20000"]
     stats = train_draft_head.main(argv)
     assert stats["loss_last_tenth"] < 0.7 * stats["loss_first_tenth"], stats

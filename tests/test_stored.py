@@ -222,3 +222,46 @@ def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path):
     assert stored_a8.generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0] == eager
     tables = [p for p in (checkpoint.parent / "compiled").glob(f"{a8.stem}-*.json") if ".meta." not in p.name]
     assert tables and "fastgen" in tables[0].read_text()  # the custom operators' table, beside the library
+
+
+KERNELS_RUN = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from torch._dynamo.utils import counters
+import decode, generation
+torch.set_num_threads(1)
+engine = decode.compile_engine(generation.load_model({path!r}), "cpu", "regional")
+rows, _ = generation.generate(engine, torch.tensor([1, 5, 9, 2, 7]), 6, decode.Sampling(), [], stop_at_eos=False)
+print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_cache_miss"],
+                  "hits": counters["inductor"]["fxgraph_cache_hit"]}}))
+"""
+
+
+@pytest.mark.slow  # three processes, each compiling or loading the regional graphs
+def test_in_process_graphs_store_their_kernels_and_a_later_process_compiles_nothing(checkpoint, tmp_path):
+    """Modes compiled in the process (CUDA's whole graphs, regions on CPU) store their kernels beside the checkpoint
+    (decode.CompileCache): a later process with an empty inductor cache generates the same tokens with no graph
+    code-generated again; a changed (or foreign) kernel file is refused with one line and written again."""
+    import subprocess
+    import sys
+    from helpers import ROOT
+
+    def run(name):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / name), OMP_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, "-c", KERNELS_RUN.format(root=str(ROOT), path=str(checkpoint))],
+                              capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+    first, _ = run("first")
+    stored = list((checkpoint.parent / "compiled").glob("micro-kernels-regional-*.bin"))
+    assert first["misses"] > 0 and len(stored) == 1
+    second, err = run("second")
+    assert second["tokens"] == first["tokens"] and second["misses"] == 0 and second["hits"] > 0, second
+    assert "refusing" not in err
+    stored[0].write_bytes(stored[0].read_bytes()[:-8] + b"tampered")
+    third, err = run("third")
+    assert third["tokens"] == first["tokens"] and third["misses"] > 0
+    assert err.count("refusing the stored kernels") == 1 and "not built on this machine" in err
+    fourth, _ = run("fourth")  # written again, signed: loaded
+    assert fourth["misses"] == 0 and fourth["tokens"] == first["tokens"]
