@@ -304,9 +304,10 @@ class AutoChoice:
     - E(K, chain) = 1 + sum_i prod_{d <= i} a_d from each depth's acceptance rate a_d (decaying counts over the
       drafted chains: a chain of depth K also tells what any shorter one would have accepted); E(K, tree) from the
       tokens its own steps made, starting from an optimistic prior.
-    Plain decoding wins where no arm beats it; then one speculative step after EXPLORE_EVERY plain steps keeps the
-    estimates current, the interval doubling (up to MAX_EXPLORE_EVERY) while plain decoding keeps winning, so a
-    drafter that never pays costs a vanishing share of the steps. The choice depends only on the past, so every step
+    Plain decoding wins where no arm beats it; then one step of the cheapest arm (the shortest chain, whose
+    verification costs about a plain step) after EXPLORE_EVERY plain steps keeps the first depth's acceptance
+    current, the interval doubling (up to MAX_EXPLORE_EVERY) while plain decoding keeps winning, so a drafter that
+    never pays costs a vanishing share of the steps; once drafts pay again, the best arm takes over. The choice depends only on the past, so every step
     stays lossless."""
     EXPLORE_EVERY, MAX_EXPLORE_EVERY = 8, 256
     PRIOR = 0.6  # the prior acceptance rate of a drafted node, worth PRIOR_WEIGHT observations
@@ -378,9 +379,11 @@ class AutoChoice:
         if plain_wins and self.plain_streak < self.explore_every:
             self.plain_streak += 1
             return None
-        # exploring (plain still wins: wait longer next time), or speculating because it wins
-        self.explore_every = min(2 * self.explore_every, self.MAX_EXPLORE_EVERY) if plain_wins else self.EXPLORE_EVERY
         self.plain_streak = 0
+        if plain_wins:  # exploring, with the cheapest arm (it costs about a plain step); wait longer next time
+            self.explore_every = min(2 * self.explore_every, self.MAX_EXPLORE_EVERY)
+            return min(self.arms, key=lambda arm: (arm[1], arm[0]))
+        self.explore_every = self.EXPLORE_EVERY
         return best
 
     def timed(self, table: dict, key, seconds: float, warm: bool = False):

@@ -132,7 +132,7 @@ def test_auto_choice_follows_measured_costs_and_acceptance():
     is cheap, and in between the depth a brute-force computation of tokens per second picks."""
     arms = speculate.auto_arms(8, None, True, False, 8)
 
-    def run(accept: float, width_cost: float, steps: int = 300, first_call: float = 1.0) -> list:
+    def run(accept: float, width_cost: float, steps: int = 300, first_call: float = 1.0, draft_fixed=0.0) -> list:
         auto, rng, picks, seen = speculate.AutoChoice(arms), torch.Generator().manual_seed(0), [], set()
         auto.timed(auto.verify_seconds, (1, 1), 1.0, warm=True)  # as plain_step_seconds times it
         for _ in range(steps):
@@ -150,11 +150,17 @@ def test_auto_choice_follows_measured_costs_and_acceptance():
                 tree.add(0, d)
             slow = first_call if arm not in seen else 1.0  # a first call's one-time costs
             seen.add(arm)
-            auto.observe(arm, [tree], [list(range(1, accepted + 1))], 0.05 * k * slow, (1.0 + width_cost * k) * slow, 1)
+            auto.observe(arm, [tree], [list(range(1, accepted + 1))], (draft_fixed + 0.05 * k) * slow,
+                         (1.0 + width_cost * k) * slow, 1)
         return picks[100:]
 
     rejected = run(0.0, 0.5)
     assert rejected.count(None) >= 0.8 * len(rejected)
+    # a draft whose fixed cost makes plain steps win although deep chains are its best: explored with the
+    # cheapest arm, not the best
+    costly = run(0.5, 0.0, draft_fixed=3.0)
+    assert costly.count(None) >= 0.8 * len(costly)
+    assert {arm for arm in costly if arm is not None} == {(1, 1)}
     cheap = run(0.95, 0.0)
     assert all(arm is not None and arm[0] >= 6 for arm in cheap[-50:])
 
