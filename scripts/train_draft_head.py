@@ -394,7 +394,7 @@ def make_batches(data: dict, to_draft, order: list, batch_size: int, max_len: in
 
 def autocast():
     """bf16 products with float32 weights and optimizer state where the CPU multiplies bf16 natively (AVX-512):
-    a training step in about 0.6 of the float32 time, so more of the data in the same minutes."""
+    faster steps, so more of the data in the same minutes."""
     import torch
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
