@@ -278,11 +278,8 @@ class CompileCache:
 
     def __init__(self, model: Transformer, device: str, mode: str):
         import artifacts
-        self.fields = {"weights": artifacts.file_identity(model.checkpoint_path),
-                       "config": dataclasses.asdict(model.args), "scheme": model.quantization,
-                       "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}), "device": device,
-                       "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-                       "mode": mode, "machine": artifacts.machine(), "sources": artifacts.sources_digest(TRACED_MODULES)}
+        self.fields = dict(model_key_fields(model, device, mode),
+                           device_name=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu")
         self.key = artifacts.key_of(self.fields)
         self.directory = artifacts.directory_for(model.checkpoint_path)
         self.name = f"{Path(model.checkpoint_path).stem}-kernels-{mode}-{self.key[:16]}"
@@ -347,6 +344,17 @@ def hot_load(blob: bytes):
             if artifact not in seen:
                 new[kind].append(artifact)
                 seen.add(artifact)
+
+
+def model_key_fields(model: Transformer, device: str, mode: str) -> dict:
+    """What keys every compiled artifact of a model (artifacts.py): the weights file's identity, config, scheme and
+    dtypes, device and mode, torch / ISA / threads, and the source of the code traced or called."""
+    import artifacts
+    return {"weights": artifacts.file_identity(model.checkpoint_path), "config": dataclasses.asdict(model.args),
+            "scheme": model.quantization, "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
+            "device": device, "mode": mode, "machine": artifacts.machine(),
+            "sources": artifacts.sources_digest(TRACED_MODULES),
+            "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp"))}
 
 
 def compiled_count() -> int:
@@ -431,15 +439,10 @@ class StoredForward:
 
     def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
         """Everything that changes the code generated for this model and shape (artifacts.py)."""
-        import artifacts
-        model = self.model
-        return {"weights": artifacts.file_identity(model.checkpoint_path), "config": dataclasses.asdict(model.args),
-                "scheme": model.quantization, "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
-                "cache": [batch, cache_batch, length, str(model.layers[0].attention.kv_cache.k_cache.dtype)],
-                "device": self.device, "mode": self.mode, "options": self.options, "features": list(self.features),
-                "machine": artifacts.machine(),
-                "sources": artifacts.sources_digest(TRACED_MODULES),
-                "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp"))}
+        cache = self.model.layers[0].attention.kv_cache.k_cache
+        return dict(model_key_fields(self.model, self.device, self.mode),
+                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options,
+                    features=list(self.features))
 
     def load(self, batch: int, cache_batch: int, length: int):
         """(run, bind) of the stored graph for this shape: loaded if a valid one is stored, else built and stored."""

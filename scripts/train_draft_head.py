@@ -142,6 +142,7 @@ def ask_questions(model, tokenizer, eos, count: int, path: Path, batch_size: int
     """`count` questions written by the target itself (sampled), kept in `path`."""
     if path.exists():
         return json.loads(path.read_text())
+    import torch
     from tqdm import tqdm
     from decode import Sampling
     rng = random.Random(seed + 1)
@@ -149,7 +150,7 @@ def ask_questions(model, tokenizer, eos, count: int, path: Path, batch_size: int
     prompts = [encode(tokenizer, model, a, chat) for a in asks]
     questions = []
     for i in tqdm(range(0, len(prompts), batch_size), desc="writing questions", unit="batch"):
-        torch_seed(seed + i)
+        torch.manual_seed(seed + i)
         rows = decode_batch(model, prompts[i:i + batch_size], batch_size, 48, Sampling(1.0, top_k=50), eos, keep=False)
         for row in rows:
             row = [t for t in row["answer"] if t not in eos]  # the end of turn is not part of the question
@@ -164,11 +165,6 @@ def ask_questions(model, tokenizer, eos, count: int, path: Path, batch_size: int
 def encode(tokenizer, model, text: str, chat: bool) -> list:
     from generation import encode_prompt
     return encode_prompt(text, tokenizer, model.args.vocab_size, 0, chat)
-
-
-def torch_seed(seed: int):
-    import torch
-    torch.manual_seed(seed)
 
 
 def make_prompts(count: int, texts: list, seed: int, questions: list) -> list:
@@ -261,7 +257,7 @@ def distill(model, prompts: list, work: Path, max_new_tokens: int, batch_size: i
         if shard.exists():
             rows = torch.load(shard, weights_only=True)
         else:
-            torch_seed(seed + i)
+            torch.manual_seed(seed + i)
             # half of the batches greedy, half sampled: the head serves both
             sampling = Sampling(0.0) if (i // batch_size) % 2 == 0 else Sampling(0.7, top_k=50)
             rows = decode_batch(model, batch, batch_size, max_new_tokens, sampling, eos, True, layers, top_k)
