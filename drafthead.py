@@ -324,7 +324,7 @@ class HeadDrafter:
         # last root, its chain or tree (depth - 1) * width past the new one
         self.lookahead = max(self.tree_nodes, (depth - 1) * self.width) + depth + 3
         self.device = head.norm.weight.device
-        self.pending = []  # per row: target features [n, F] of the n positions before its current token
+        self.pending = []  # per row: pieces of target features [n, F] of the n positions before its current token
 
     @property
     def kind(self) -> str:
@@ -332,7 +332,7 @@ class HeadDrafter:
 
     def start(self, prompts: list, max_seq_length: int, features: Optional[Tensor] = None) -> int:
         self.head.setup_caches(len(prompts), max_seq_length)
-        self.pending = [features[b, :len(p)] for b, p in enumerate(prompts)]
+        self.pending = [[features[b, :len(p)]] for b, p in enumerate(prompts)]
         return 0
 
     def finish(self, outs: list):
@@ -342,8 +342,8 @@ class HeadDrafter:
         """Write each row's pending entries (slots up to its root) in one forward; the head's output at the root
         [B, dim]. The padding after a shorter row's entries lands on slots that drafting writes before reading."""
         head, device, batch = self.head, self.device, len(pos)
-        some = next(p for p in self.pending if p is not None)
-        self.pending = [some[:0] if p is None else p for p in self.pending]  # a finished row: nothing (it idles)
+        some = next(p for p in self.pending if p)[0]
+        self.pending = [torch.cat(p) if p else some[:0] for p in self.pending]  # a finished row: nothing (it idles)
         n = [len(p) for p in self.pending]
         width = max(n)
         features = torch.zeros(batch, width, some.shape[-1], dtype=some.dtype, device=device)
@@ -353,7 +353,7 @@ class HeadDrafter:
             tokens[b, :len(pending)] = torch.tensor(context[p - len(pending) + 1:p + 1])
         slots = (torch.tensor(pos).view(-1, 1) - torch.tensor(n).view(-1, 1) + 1 + torch.arange(width)).to(device)
         h = head(head.fuse(features), tokens.to(device), slots)  # [B, width, dim]
-        self.pending = [None] * batch
+        self.pending = [[] for _ in range(batch)]
         return h[torch.arange(batch, device=device), torch.tensor(n, device=device) - 1]
 
     def draft(self, roots: list, pos: list, depth: int, contexts: list, sampling: Sampling, nodes=None):
@@ -453,6 +453,5 @@ class HeadDrafter:
     def accepted(self, paths: list, trees: list, pos: list, features: Optional[Tensor] = None):
         """The target's features at the root and the accepted nodes become the next step's entries."""
         for b, path in enumerate(paths):
-            if path is not None:  # after a plain step (no draft since) the entries not yet written add up
-                new = features[b, [0] + path]
-                self.pending[b] = new if self.pending[b] is None else torch.cat([self.pending[b], new])
+            if path is not None:  # after plain steps (no draft since) the entries not yet written add up
+                self.pending[b].append(features[b, [0] + path])

@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, logits_to_probs, sample_from, sdpa_context
+from decode import Engine, Sampling, logits_to_probs, sample, sample_from, sdpa_context
 from errors import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -481,18 +481,21 @@ class Speculator:
         while any(live):
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
-            if arm is None:  # a plain step: the root alone, verified like a tree
+            if arm is None:  # a plain step: the root alone (an empty accepted path), at plain decoding's cost
                 trees, forwards = [Tree.rooted_at(c[-1]) for c in contexts], 0
                 stats.plain_steps += 1
+                drafted = started
+                tokens, hidden = plain_step(target, contexts, pos, sampling, bool(self.features))
+                results = [([], token) if row_live else None for token, row_live in zip(tokens, live)]
             else:
                 trees, forwards = drafter.draft([c[-1] for c in contexts], pos, arm[0], contexts, sampling,
                                                 **({"nodes": arm[1]} if auto else {}))
-            if auto:  # the draft's own seconds (on CUDA, a sync; otherwise draft and verification queue back to back)
-                synchronize(target.model)
-            drafted = time.perf_counter()
-            results = verify_step(target, [tree.pad_to((arm[1] if arm else 0) + 1) for tree in trees], pos,
-                                  sampling, live, bool(self.features))
-            results, hidden = results if self.features else (results, None)
+                if auto:  # the draft's own seconds (on CUDA, a sync; otherwise draft and verification queue)
+                    synchronize(target.model)
+                drafted = time.perf_counter()
+                results = verify_step(target, [tree.pad_to(arm[1] + 1) for tree in trees], pos, sampling, live,
+                                      bool(self.features))
+                results, hidden = results if self.features else (results, None)
             paths = [result[0] if result else None for result in results]
             drafter.accepted(paths, trees, pos, hidden)
             if auto:
@@ -520,6 +523,33 @@ class Speculator:
                     contexts[b] += new
         drafter.finish(outs)
         return outs, stats.summary()
+
+
+def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False):
+    """A plain step of every row inside the loop: each row's current token through the target's forward (the causal
+    mask made on the device, one draw for the whole batch), none of verification's host work (per-row tree masks,
+    per-row verification), which made a plain step here cost more than plain decoding's. Returns each row's next
+    token and, with `features`, the target's features at the current token [B, 1, F]. Finished rows step too (the
+    shape stays fixed); their tokens are ignored."""
+    model = target.model
+    device = model.tok_embeddings.weight.device
+    x = torch.tensor([c[-1] for c in contexts], device=device).view(-1, 1)  # [B, 1]
+    input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
+    mask = torch.arange(model.max_seq_length, device=device).view(1, 1, 1, -1) <= input_pos.view(-1, 1, 1, 1)
+    hidden = None
+    with sdpa_context():
+        if features:
+            logits, hidden = target.forward_features(x, input_pos, input_pos, mask)  # [B, 1, V], [B, 1, F]
+            hidden = hidden.clone()  # a CUDA graph's replay overwrites its outputs
+        else:
+            logits = target.forward(x, input_pos, input_pos, mask)  # [B, 1, V]
+    token, probs = sample(logits[:, -1], sampling)
+    # argmax picks a NaN or +inf where there is one, and NaN logits make every probability NaN: looking at the
+    # chosen entries alone catches what verification's look at every logit catches
+    chosen = (logits[:, -1] if probs is None else probs).gather(-1, token.view(-1, 1))
+    if not bool((chosen < float("inf")).all()):
+        raise non_finite_logits(model, "for a generated token")
+    return token.tolist(), hidden
 
 
 def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling) -> float:

@@ -112,6 +112,25 @@ def test_auto_steps_of_any_size_or_plain_keep_every_row(random_target, near_draf
     assert stats["plain_steps"] >= 3 and sum(stats["accept_counts"]) >= 3
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_plain_step_inside_the_loop_stops_on_nan_logits(random_target, temperature, monkeypatch):
+    """A plain step inside the speculative loop looks only at the chosen token's logit or probability: NaN logits
+    (argmax picks a NaN; NaN makes every probability NaN) still end the run with the one NaN line."""
+    model = generation.load_model(random_target)
+    calls = [0]
+
+    def hook(_module, _inputs, out):  # the prefill and the two timed plain forwards pass; every later one is NaN
+        calls[0] += 1
+        return out * float("nan") if calls[0] > 3 else out
+    model.layers[0].register_forward_hook(hook)
+    speculator = generation.make_speculator(generation.Speculation("auto", None, 2), None, model.args.block_size)
+    monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: None)
+    with pytest.raises(generation.UserError, match="NaN"):
+        generation.generate(decode.Engine(model), [list(p) for p in BATCH], 20, decode.Sampling(temperature), [],
+                            stop_at_eos=False, speculator=speculator)
+    assert calls[0] == 4
+
+
 def test_auto_choice_uses_a_timing_once_a_second_replaces_the_first():
     auto = speculate.AutoChoice([(1, 1), (2, 2)])
     auto.timed(auto.verify_seconds, (1, 3), 20.0)  # a first call: not used yet
