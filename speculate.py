@@ -605,8 +605,8 @@ class Lookup:
             return
         self.samples.popleft()  # the index again, without the oldest (in place: fresh lookups share it)
         self.in_samples.clear()
-        for sample in self.samples:
-            self.index(self.in_samples, sample, 0)
+        for text in self.samples:
+            self.index(self.in_samples, text, 0)
 
     def trie(self, context: list, depth: int) -> dict:
         """token -> [count, subtrie]: up to `depth` tokens after each occurrence of the longest suffix of
