@@ -76,6 +76,8 @@ class Request:
     push: callable = lambda event: None
     tokens: list = field(default_factory=list)  # generated ids, an end-of-sequence id included
     text: str = ""  # the text emitted so far
+    cut: int = 0  # the answer's first `cut` ids decode to cut_text, whatever follows them (answer_text)
+    cut_text: str = ""
     prefilled: int = 0  # prompt tokens in the cache
     slot: Optional[int] = None
     cancelled: bool = False
@@ -120,11 +122,11 @@ def add_token(r: Request, token: int, tokenizer, eos: set, byte_ids: frozenset =
     of byte tokens (`byte_ids`, sentencepiece's <0xNN>: the decoder replaces a whole invalid run by U+FFFDs, so the
     run's text is final only once another token follows), and a possible start of a stop string."""
     r.tokens.append(token)
-    ids = [t for t in r.tokens if t not in eos]
     ended, length = token in eos, len(r.tokens) >= r.max_tokens
-    while not (ended or length) and ids and ids[-1] in byte_ids:
-        ids.pop()
-    text = tokenizer.decode(ids)
+    n = len(r.tokens) - ended  # the answer's ids: an end of sequence is only ever the last
+    while not (ended or length) and n and r.tokens[n - 1] in byte_ids:
+        n -= 1
+    text = answer_text(r, n, tokenizer)
     for stop in r.stop:
         at = text.find(stop, max(0, len(r.text) - len(stop) + 1))
         if at >= 0:
@@ -145,6 +147,32 @@ def byte_tokens(tokenizer) -> frozenset:
     processor = tokenizer.processor
     return frozenset(i for i in range(processor.get_vocab_size())
                      if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", processor.id_to_token(i) or ""))
+
+
+CONTEXT, MARGIN = 4, 16  # answer_text: ids decoded before a piece for its context; ids kept after the cut
+
+
+def decode_after(tokenizer, ids: list, c: int, n: int) -> str:
+    """The text that ids[c:n] add after ids[:c]: decoded with up to CONTEXT ids before them and that context's own
+    text taken off (alone, a piece can decode differently: sentencepiece drops a leading space)."""
+    p = max(c - CONTEXT, 0)
+    return tokenizer.decode(ids[p:n])[len(tokenizer.decode(ids[p:c])):] if c else tokenizer.decode(ids[:n])
+
+
+def answer_text(r: Request, n: int, tokenizer) -> str:
+    """tokenizer.decode(r.tokens[:n]) without decoding the whole answer at every token (that grew with the answer's
+    length: about a millisecond per token and row at a few thousand tokens). The text of the first r.cut ids is
+    kept; only the ids after it decode again. The cut moves MARGIN ids behind the end once the text it would fix is
+    whole (no character, byte run or leading space split by it) and the text in two pieces there equals the text
+    in one: a decoder looks a few ids around a token, and the ids still to come lie beyond the margin."""
+    ids, c = r.tokens, r.cut
+    text = r.cut_text + decode_after(tokenizer, ids, c, n)
+    a = n - MARGIN
+    if a - c >= MARGIN:
+        fixed = r.cut_text + decode_after(tokenizer, ids, c, a)
+        if not fixed.endswith("\ufffd") and fixed + decode_after(tokenizer, ids, a, n) == text:
+            r.cut, r.cut_text = a, fixed
+    return text
 
 
 def emit(r: Request, text: str):

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 import generation
 import serve
@@ -190,6 +191,36 @@ def test_stop_text_is_never_cut_inside_a_character():
     for b in "é!".encode():
         serve.add_token(r, b, Bytes(), eos=set())
     assert [text for _, text in sent] == ["é", "!"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """A tokenizer of each kind a checkpoint may bring (tests/test_tokenizer.py builds the same)."""
+    import tokenizer
+    from helpers import write_chatml_tokenizer, write_llama2_json_tokenizer, write_llama3_tokenizer, \
+        write_sentencepiece_model
+    root = tmp_path_factory.mktemp("tokenizers")
+    sp = write_sentencepiece_model(root / "sentencepiece")
+    dirs = [write_chatml_tokenizer(root / "chatml"), write_llama3_tokenizer(root / "llama3"), sp,
+            write_llama2_json_tokenizer(root / "llama2_json", sp / "tokenizer.model")]
+    return [tokenizer.get_tokenizer(d) for d in dirs]
+
+
+def test_the_answer_text_grows_as_the_whole_answer_decodes(tokenizers):
+    """The server decodes only the ids after its cut, yet at every token its text is the decode of the whole
+    answer, for every kind of tokenizer: prose, code, accents, CJK and emoji, byte-fallback pieces, spaces at piece
+    starts, and random ids (pieces of characters, byte runs, special tokens) that no text encodes to."""
+    from helpers import TEXT
+    generator = torch.Generator().manual_seed(0)
+    for tok in tokenizers:
+        text = "\n".join(TEXT[:40] + TEXT[-5:])
+        randoms = [torch.randint(0, tok.vocab_size, (300,), generator=generator).tolist() for _ in range(3)]
+        for ids in [tok.encode(text), tok.encode(" ".join(TEXT[-5:]) * 8)] + randoms:
+            r = serve.Request([1], len(ids), Sampling())
+            for n in range(1, len(ids) + 1):
+                r.tokens = ids[:n]
+                assert serve.answer_text(r, n, tok) == tok.decode(ids[:n]), (type(tok).__name__, n)
+            assert r.cut >= len(ids) - 3 * serve.MARGIN  # and the text it decodes again stays short
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(server):
