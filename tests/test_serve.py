@@ -223,6 +223,22 @@ def test_the_answer_text_grows_as_the_whole_answer_decodes(tokenizers):
             assert r.cut >= len(ids) - 3 * serve.MARGIN  # and the text it decodes again stays short
 
 
+def test_nan_or_infinite_logits_fail_only_their_request():
+    """A row whose logits hold a NaN or +inf fails its own request (one 500 line); the rows beside it, and a -inf
+    logit (a token ruled out), go on."""
+    from types import SimpleNamespace
+    failed, accepted = [], []
+    stub = SimpleNamespace(fail=lambda r, error: failed.append((r, error.message)),
+                           accept=lambda r, token: accepted.append(r))
+    requests = [serve.Request([1], 5, Sampling(temperature=t)) for t in (0, 0, 0.8, 0.8, 0, 0.8)]
+    logits = torch.randn(6, 50)
+    logits[1, 7], logits[3, 2], logits[4, 3], logits[5, 0] = float("nan"), float("inf"), -float("inf"), float("nan")
+    serve.Scheduler.pick(stub, [(r, row) for r, row in zip(requests, logits)])
+    assert [r for r, _ in failed] == [requests[1], requests[3], requests[5]]
+    assert all("NaN or infinite" in message for _, message in failed)
+    assert accepted == [requests[0], requests[2], requests[4]]
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(server):
     def sampled(seed, prompt=PROMPTS[0]):
         return server.client.completions.create(model=server.name, prompt=prompt, max_tokens=24, temperature=1.0,
