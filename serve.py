@@ -160,11 +160,11 @@ def decode_after(tokenizer, ids: list, c: int, n: int) -> str:
 
 
 def answer_text(r: Request, n: int, tokenizer) -> str:
-    """tokenizer.decode(r.tokens[:n]) without decoding the whole answer at every token (that grew with the answer's
-    length: about a millisecond per token and row at a few thousand tokens). The text of the first r.cut ids is
-    kept; only the ids after it decode again. The cut moves MARGIN ids behind the end once the text it would fix is
-    whole (no character, byte run or leading space split by it) and the text in two pieces there equals the text
-    in one: a decoder looks a few ids around a token, and the ids still to come lie beyond the margin."""
+    """tokenizer.decode(r.tokens[:n]) without decoding the whole answer at every token (a cost per token that grew
+    with the answer's length, docs/serve.md). The text of the first r.cut ids is kept; only the ids after it decode
+    again. The cut moves MARGIN ids behind the end where the text it would fix is whole (no character or byte run
+    split by it) and decoding in two pieces there gives the text decoding in one gives: a decoder looks only a few
+    ids around a token, and the ids still to come lie beyond the margin."""
     ids, c = r.tokens, r.cut
     text = r.cut_text + decode_after(tokenizer, ids, c, n)
     a = n - MARGIN

@@ -203,19 +203,23 @@ def real_model(args):
 
     chains = {f"head chain K={k}": (head_engine, spec(k)) for k in args.head_depths}
     trees = {f"head tree N={n} K={k}": (head_engine, spec(k, n)) for k, n in args.head_trees}
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
+    cells = set(args.cells.split(","))
+    for temperature in [float(t) for t in args.temperatures.split(",")] if "chat" in cells else []:
         sampling = decode.Sampling(temperature)
         measure("chat", sampling, questions, {
             "plain": (plain_engine, None), "int4 draft chain K=5": (plain_engine, spec(5, drafter="int4")),
             "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)), **chains, **trees,
             "head auto": (head_engine, spec("auto", "auto"))})
-    measure("copy", decode.Sampling(0.0), copy, {
-        "plain": (plain_engine, None), "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)),
-        "3-gram auto": (plain_engine, spec("auto", "auto", 3, drafter=None)),
-        "head chain K=5": (head_engine, spec(5)), "head auto": (head_engine, spec("auto", "auto"))})
-    measure("chat", decode.Sampling(0.0), questions[:4], {
-        "plain": (plain_engine, None), "head chain K=5": (head_engine, spec(5)),
-        "head tree N=16 K=5": (head_engine, spec(5, 16)), "head auto": (head_engine, spec("auto", "auto"))}, batch=4)
+    if "copy" in cells:
+        measure("copy", decode.Sampling(0.0), copy, {
+            "plain": (plain_engine, None), "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)),
+            "3-gram auto": (plain_engine, spec("auto", "auto", 3, drafter=None)),
+            "head chain K=5": (head_engine, spec(5)), "head auto": (head_engine, spec("auto", "auto"))})
+    if "batch" in cells:
+        measure("chat", decode.Sampling(0.0), questions[:4], {
+            "plain": (plain_engine, None), "head chain K=5": (head_engine, spec(5)),
+            "head tree N=16 K=5": (head_engine, spec(5, 16)), "head auto": (head_engine, spec("auto", "auto"))},
+            batch=4)
     plain_step = {1: verify_seconds(1), 4: verify_seconds(1, 4)}
     for row in rows:
         if "draft_ms_per_step" in row and "auto" not in row["config"]:
@@ -223,7 +227,7 @@ def real_model(args):
             row["predicted_speedup"] = row["tokens_per_target_forward"] * plain_step[row["batch"]] / cost
             row["efficiency"] = row["speedup"] / row["predicted_speedup"]
     try:
-        for gguf in (args.gguf, benchlib.requantized_q8_0(args.gguf)):
+        for gguf in (args.gguf, benchlib.requantized_q8_0(args.gguf)) if "chat" in cells else ():
             run, _ = bench_real.llama_cpp_run(gguf, threads)
             seconds = []
             for ids in questions:
@@ -278,6 +282,8 @@ def main(argv=None):
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--only", default="", help="comma-separated names of our configurations to run (default: all)")
     p.add_argument("--no_copy", action="store_true", help="skip the copy task")
+    p.add_argument("--cells", default="chat,copy,batch",
+                   help="--checkpoint_dir: which tables to run (chat questions, the copy task, a batch of 4)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/speculative.json")
     args = p.parse_args(argv)
