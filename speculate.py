@@ -307,8 +307,8 @@ class AutoChoice:
     Plain decoding wins where no arm beats it; then one step of the cheapest arm (the shortest chain, whose
     verification costs about a plain step) after EXPLORE_EVERY plain steps keeps the first depth's acceptance
     current, the interval doubling (up to MAX_EXPLORE_EVERY) while plain decoding keeps winning, so a drafter that
-    never pays costs a vanishing share of the steps; once drafts pay again, the best arm takes over. The choice depends only on the past, so every step
-    stays lossless."""
+    never pays costs a vanishing share of the steps; once drafts pay again, the best arm takes over. The choice
+    depends only on the past, so every step stays lossless."""
     EXPLORE_EVERY, MAX_EXPLORE_EVERY = 8, 256
     PRIOR = 0.6  # the prior acceptance rate of a drafted node, worth PRIOR_WEIGHT observations
     PRIOR_WEIGHT = 2.0
@@ -477,7 +477,8 @@ class Speculator:
         if any(live):
             stats.draft_forwards += drafter.start(prompts, target.model.max_seq_length, features)
         if auto and any(live) and (batch, 1) not in auto.verify_seconds:
-            auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, contexts, pos, sampling), warm=True)
+            auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, contexts, pos, sampling,
+                                                                           bool(self.features)), warm=True)
         while any(live):
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
@@ -535,6 +536,7 @@ def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, fe
     device = model.tok_embeddings.weight.device
     x = torch.tensor([c[-1] for c in contexts], device=device).view(-1, 1)  # [B, 1]
     input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
+    # the causal mask passed as verification passes its tree's: every mode's graphs see one signature
     mask = torch.arange(model.max_seq_length, device=device).view(1, 1, 1, -1) <= input_pos.view(-1, 1, 1, 1)
     hidden = None
     with sdpa_context():
@@ -552,20 +554,14 @@ def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, fe
     return token.tolist(), hidden
 
 
-def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling) -> float:
-    """Seconds of one plain step of the whole batch: the target's forward on each row's current token, which writes
-    only the cache slot that token's verification writes again with the same values. Timed on the second call (the
-    first may compile the graph)."""
-    model = target.model
-    device = model.tok_embeddings.weight.device
-    x = torch.tensor([c[-1] for c in contexts], device=device).view(-1, 1)  # [B, 1]
-    input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
+def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False) -> float:
+    """Seconds of one plain step of the whole batch (plain_step, which writes only the cache slots the next step
+    writes again with the same values). Timed on the second call (the first may compile the graph)."""
     for _ in range(2):
-        synchronize(model)
+        synchronize(target.model)
         started = time.perf_counter()
-        with sdpa_context():
-            target.forward(x, input_pos)
-        synchronize(model)
+        plain_step(target, contexts, pos, sampling, features)
+        synchronize(target.model)
     return time.perf_counter() - started
 
 
