@@ -127,7 +127,8 @@ def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str
     """Build the library (or another artifact: `suffix`) into a temp file beside its final name (`build(path)`,
     which returns its operator table's text or None), then publish them and the signed metadata; other artifacts of
     the same name stem (older keys) are removed. Returns the artifact's path."""
-    library, meta_path, table = directory / f"{name}{suffix}", directory / f"{name}.meta.json", directory / f"{name}.json"
+    library, meta_path = directory / f"{name}{suffix}", directory / f"{name}.meta.json"
+    table = directory / f"{name}.json"
     start = time.perf_counter()
     built = {}
     table.unlink(missing_ok=True)
@@ -141,7 +142,7 @@ def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str
     for old in directory.glob(f"{stem}-*.meta.json"):
         old_name = old.name[:-len(".meta.json")]
         if old_name != name:
-            for old_suffix in (".so", ".bin", ".json", ".meta.json"):
+            for old_suffix in (".so", ".bin", ".json", ".meta.json", ".failed"):
                 (directory / f"{old_name}{old_suffix}").unlink(missing_ok=True)
     return library
 

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from errors import UserError
+from errors import UserError, write_atomically
 from kernels import use_fast_weight_layout
 from model import Transformer
 
@@ -119,14 +119,14 @@ CPP_GEMM_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
 def resolve_mode(mode: str, device: str, storable: bool = True) -> str:
-    """The compile mode a model gets: on CPU "auto" and "autotune" are stored graphs (built once, kept beside the
+    """The compile mode a model gets: "auto" and "autotune" are stored graphs (built once, kept beside the
     checkpoint; "autotune" times every matmul's candidates) for a model loaded from a file outside tensor
-    parallelism. Otherwise "auto" is the whole graph on CUDA (replayed as a CUDA graph, which stored AOTInductor
-    graphs are not, and their loader crashed on the GPU measured: BENCHMARKS.md) and regional compilation on CPU."""
+    parallelism, on CPU and CUDA alike. Otherwise "auto" is the whole graph on CUDA (CUDA graphs) and regional
+    compilation on CPU."""
     if mode not in COMPILE_MODES:
         raise UserError(f"`compile` mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if mode in ("auto", "autotune") and storable and not distributed and not device.startswith("cuda"):
+    if mode in ("auto", "autotune") and storable and not distributed:
         return "stored" if mode == "auto" else "stored-autotune"
     if mode == "auto":
         return "whole" if device.startswith("cuda") else "regional"
@@ -145,9 +145,13 @@ def graph_options(model: Transformer, device: str, mode: str) -> dict:
     return {}
 
 
-def stored_options(model: Transformer, mode: str) -> dict:
-    """Inductor's settings for a stored CPU graph: the weights frozen in, with the C++ GEMM templates for float
-    weights (every candidate timed for "stored-autotune")."""
+def stored_options(model: Transformer, mode: str, device: str = "cpu") -> dict:
+    """Inductor's settings for a stored graph. CPU: the weights frozen in, with the C++ GEMM templates for float
+    weights (every candidate timed for "stored-autotune"). CUDA: the kernels' binaries inside the library, so that
+    one file is signed and loaded (its weights are constants in it either way)."""
+    if device.startswith("cuda"):
+        return {"aot_inductor.embed_kernel_binary": True, **({"max_autotune": True} if mode == "stored-autotune"
+                                                             else {})}
     options = {"freezing": True}
     if mode == "stored-autotune":
         options["max_autotune"] = True
@@ -415,7 +419,7 @@ class StoredForward:
 
     def __init__(self, model: Transformer, device: str, mode: str, features: tuple = ()):
         self.model, self.device, self.mode, self.features = model, device, mode, tuple(features)
-        self.options = stored_options(model, mode)
+        self.options = stored_options(model, mode, device)
         self.graphs = {}  # (batch, cache batch, cache length) -> [run(*args), bind(cache tensors) or None, bound cache]
 
     def __call__(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None, mask: Optional[Tensor] = None,
@@ -454,6 +458,12 @@ class StoredForward:
         directory = artifacts.directory_for(path)
         features = "-f" + ".".join(map(str, self.features)) if self.features else ""
         name = f"{Path(path).stem}-b{batch}of{cache_batch}-s{length}{features}-{self.mode}-{key[:16]}"
+        failed = directory / f"{name}.failed"  # a build that failed for this key: not tried again in every run
+        marker = failed.read_text(errors="replace").splitlines() if failed.exists() else []
+        if marker[:1] == [key]:
+            print(f"the graph {name} could not be stored here ({marker[1] if len(marker) > 1 else '?'}); compiling "
+                  f"it in this process (remove {failed} to try again)", file=sys.stderr)
+            return self.in_process()
         library, refused = artifacts.find(directory, name, key)
         if refused:
             print(f"refusing the stored graph {directory / name}.so: {refused}; building it again", file=sys.stderr)
@@ -466,9 +476,14 @@ class StoredForward:
         example = self.example(batch, length)
         what = f"the graph of {path} (batch {batch}, {length} positions, {self.mode})"
         estimate = artifacts.build_seconds_estimate(directory, model.args.n_layer)
+
+        def build(tmp):
+            table = self.export(example, length, tmp)
+            if self.device.startswith("cuda"):  # the loader crashed on a GPU measured: try it where a crash is harmless
+                loads_in_child(tmp, table, self.device, batch, length)
+            return table
         try:
-            library = with_progress(what, estimate, lambda: artifacts.store(
-                directory, name, key, fields, lambda tmp: self.export(example, length, tmp)))
+            library = with_progress(what, estimate, lambda: artifacts.store(directory, name, key, fields, build))
             return self.open(library)
         except (KeyboardInterrupt, OSError, MemoryError):
             raise
@@ -476,26 +491,37 @@ class StoredForward:
             first = (str(e).strip().splitlines() or [""])[0][:200]
             print(f"cannot store {what} ({type(e).__name__}: {first}); compiling it in this process instead",
                   file=sys.stderr)
-            fn = functools.partial(model.forward_features, layers=self.features) if self.features else model
-            return torch.compile(fn, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole")), None
+            text = f"{key}\n{type(e).__name__}: {first}\n"
+            write_atomically(failed, lambda tmp: tmp.write_text(text))
+            return self.in_process()
+
+    def in_process(self):
+        """(run, None): this shape compiled in the process (whole graph: CUDA graphs on GPU), for a graph that
+        cannot be stored or loaded here."""
+        model = self.model
+        fn = functools.partial(model.forward_features, layers=self.features) if self.features else model
+        return torch.compile(fn, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole")), None
 
     def open(self, library: Path):
-        """Load a stored graph (its frozen weights inside it): run(*args) and bind(cache tensors).
-        The library itself: loading the package would unzip it to a temp directory first (BENCHMARKS.md)."""
-        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
+        """Load a stored graph (its weights inside it): run(*args) and bind(cache tensors). The library itself:
+        loading the package would unzip it to a temp directory first (BENCHMARKS.md). On CUDA its few-token calls
+        are replayed from CUDA graphs (Replayed)."""
+        runner = aoti_runner(library, self.device)
         internal = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
+        run = (lambda *args: runner.run(list(args)))
+        if self.device.startswith("cuda"):
+            run = Replayed(run)
 
         def bind(buffers: dict):  # use_inactive=False, check_full_update=False, user_managed=True: no copies
             runner.update_constant_buffer({internal[f"model.{n}"]: t for n, t in buffers.items()}, False, False, True)
+            if isinstance(run, Replayed):
+                run.reset()  # captured graphs hold the old cache's addresses
         if self.features:
-            return (lambda *args: tuple(runner.run(list(args)))), bind
-        return (lambda *args: runner.run(list(args))[0]), bind
+            return (lambda *args: tuple(run(*args))), bind
+        return (lambda *args: run(*args)[0]), bind
 
     def example(self, batch: int, length: int):
-        T = min(4, length)  # not 1: export would specialize the token count on it
-        pos = torch.arange(T, device=self.device).expand(batch, T).contiguous()
-        mask = torch.arange(length, device=self.device).view(1, 1, 1, -1) <= pos.view(batch, 1, T, 1)
-        return torch.zeros(batch, T, dtype=torch.long, device=self.device), pos, pos.clone(), mask
+        return example_inputs(batch, length, self.device)
 
     def export(self, example, length: int, tmp: Path):
         """Export the model for these shapes, compile it with AOTInductor, keep its one shared library at tmp;
@@ -519,6 +545,120 @@ class StoredForward:
                     return archive.read(tables[0]).decode() if tables else None
             finally:
                 package.unlink(missing_ok=True)
+
+
+def example_inputs(batch: int, length: int, device: str, tokens: int = 4):
+    """Arguments of a stored graph's forward (idx, input_pos, slots, mask) for `tokens` tokens: what it is exported
+    with (not 1 token: export would specialize the token count on it) and what a child process tries it on."""
+    T = min(tokens, length)
+    pos = torch.arange(T, device=device).expand(batch, T).contiguous()
+    mask = torch.arange(length, device=device).view(1, 1, 1, -1) <= pos.view(batch, 1, T, 1)
+    return torch.zeros(batch, T, dtype=torch.long, device=device), pos, pos.clone(), mask
+
+
+def aoti_runner(library, device: str):
+    """AOTInductor's runner of a stored library on this device."""
+    if device.startswith("cuda"):
+        return torch._C._aoti.AOTIModelContainerRunnerCuda(str(library), 1, device)
+    return torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
+
+
+# a child process loads the library and runs one decode step and one 4-token call; exit 0 when both give finite
+# outputs of the right shapes
+CHILD_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch, decode, kernels
+library, device, batch, length = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+if device == "cpu":
+    kernels.a8_kernels()  # the operators a CPU graph may call
+runner = decode.aoti_runner(library, device)
+with torch.no_grad():
+    for tokens in (1, 4):
+        out = runner.run([a.contiguous() for a in decode.example_inputs(batch, length, device, tokens)])[0]
+        assert out.shape[:2] == (batch, min(tokens, length)) and bool(torch.isfinite(out).all()), "a wrong output"
+"""
+
+
+def loads_in_child(library, table, device: str, batch: int, length: int, timeout: float = 600):
+    """Load and run a freshly built graph (its library and operator table's text, or None) in a child process first:
+    AOTInductor's loader crashed (a segmentation fault, which no exception handler catches) on a GPU measured
+    (BENCHMARKS.md). Raises RuntimeError if it fails."""
+    import subprocess
+    import tempfile
+    library = Path(library)
+    with tempfile.TemporaryDirectory(dir=library.parent, prefix=".check-") as check:
+        linked = Path(check) / "graph.so"  # the runner finds the operator table by the library's name
+        try:
+            os.link(library, linked)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(library, linked)
+        if table is not None:
+            linked.with_suffix(".json").write_text(table)
+        try:
+            done = subprocess.run([sys.executable, "-c", CHILD_CHECK, str(Path(__file__).resolve().parent),
+                                   str(linked), device, str(batch), str(length)],
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"loading it in a child process did not finish in {timeout:.0f} s") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [""])[-1][:160]
+        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+        raise RuntimeError(f"loading it in a child process failed ({how}{': ' + last if last else ''})")
+
+
+class Replayed:
+    """A stored CUDA graph's run(*args) -> [tensors], its calls of up to MAX_TOKENS tokens (decode, verification)
+    replayed from CUDA graphs: an AOTInductor graph launches each kernel from the host, and a small batch's step is
+    bound by those launches. A shape is captured at its second call (the first warms up) and kept only if its replay
+    equals the direct run of the same inputs (writing the same tokens into the cache twice changes nothing);
+    otherwise that shape keeps launching directly."""
+    MAX_TOKENS = 16
+
+    def __init__(self, run):
+        self.run, self.graphs, self.seen = run, {}, set()
+
+    def reset(self):
+        self.graphs.clear()
+        self.seen.clear()
+
+    def __call__(self, *args):
+        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        if args[0].shape[1] > self.MAX_TOKENS:
+            return self.run(*args)
+        entry = self.graphs.get(key)
+        if entry is None:
+            expected = self.run(*args)
+            if key in self.seen:
+                self.graphs[key] = self.capture(args, expected)
+            self.seen.add(key)
+            return expected
+        if entry is False:
+            return self.run(*args)
+        graph, inputs, outputs = entry
+        for static, a in zip(inputs, args):
+            static.copy_(a)
+        graph.replay()
+        return [o.clone() for o in outputs]
+
+    def capture(self, args, expected):
+        inputs = [a.clone() for a in args]
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                outputs = self.run(*inputs)
+            graph.replay()
+            same = len(outputs) == len(expected) and all(torch.equal(o, e) for o, e in zip(outputs, expected))
+        except RuntimeError as e:
+            same, why = False, (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        else:
+            why = "its replay differs from the direct run"
+        if not same:
+            print(f"a stored graph's {args[0].shape[1]}-token call is not replayed from a CUDA graph ({why}); its "
+                  f"kernels are launched one by one", file=sys.stderr)
+            return False
+        return graph, inputs, outputs
 
 
 def with_progress(what: str, estimate, build):

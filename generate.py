@@ -48,10 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and --tree_nodes, merged into the draft's tree")
     p.add_argument("--compile", "--compile_prefill", nargs="?", const="auto", default="none", choices=COMPILE_MODES,
                    metavar="MODE", action=CompileAction,
-                   help="compile the graphs: regional (one block shared by all layers: quick to compile), whole (the "
-                        "model as one frozen graph; CUDA graphs on GPU), autotune (whole, every matmul timed: "
-                        "fastest, minutes to compile), auto (--compile alone: whole for models of at most 8 layers "
-                        "and on CUDA, else regional); --compile_prefill [MODE] also compiles a dynamic-shape prefill")
+                   help="compile the graphs: auto (--compile alone: the whole model as one graph built once and "
+                        "stored beside the checkpoint, loaded by later runs), autotune (the same, every matmul "
+                        "timed), regional (one block shared by all layers: seconds to compile), whole (the model as "
+                        "one graph compiled in this process; CUDA graphs on GPU); --compile_prefill [MODE] also "
+                        "compiles a dynamic-shape prefill")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     p.set_defaults(compile_prefill=False)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

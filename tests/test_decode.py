@@ -43,13 +43,13 @@ def test_regional_compilation_compiles_one_block_for_all_layers():
 
 
 def test_auto_compile_mode_stores_graphs_of_checkpoints():
-    """On CPU auto and autotune store their graphs for a model loaded from a file (no tensor parallelism); a model
-    built in code has no place to store them and compiles regionally; CUDA compiles whole graphs in the process; the
-    other modes are kept as asked, and an unknown one is refused with one line."""
+    """auto and autotune store their graphs for a model loaded from a file (no tensor parallelism), on CPU and CUDA;
+    a model built in code has no place to store them and compiles regionally on CPU, whole (CUDA graphs) on CUDA;
+    the other modes are kept as asked, and an unknown one is refused with one line."""
     assert decode.resolve_mode("auto", "cpu") == "stored"
     assert decode.resolve_mode("autotune", "cpu") == "stored-autotune"
-    assert decode.resolve_mode("auto", "cuda") == "whole"  # CUDA graph replay (see resolve_mode)
-    assert decode.resolve_mode("autotune", "cuda") == "autotune"
+    assert decode.resolve_mode("auto", "cuda") == "stored"
+    assert decode.resolve_mode("autotune", "cuda:1") == "stored-autotune"
     assert decode.resolve_mode("auto", "cpu", storable=False) == "regional"
     assert decode.resolve_mode("auto", "cuda", storable=False) == "whole"
     assert decode.resolve_mode("autotune", "cpu", storable=False) == "autotune"
@@ -124,6 +124,10 @@ def test_stored_graph_options_per_mode():
     int8 = Transformer(ModelArgs(dim=32, n_layer=1, n_head=2, vocab_size=64, block_size=32)).requires_grad_(False)
     int8.layers[0].feed_forward.w1.weight.data = int8.layers[0].feed_forward.w1.weight.data.to(torch.int8)
     assert decode.stored_options(int8, "stored") == {"freezing": True}
+    # CUDA: the kernels' binaries inside the one library that is signed and loaded; no CPU options
+    assert decode.stored_options(model, "stored", "cuda") == {"aot_inductor.embed_kernel_binary": True}
+    assert decode.stored_options(int8, "stored-autotune", "cuda:0") == {"aot_inductor.embed_kernel_binary": True,
+                                                                        "max_autotune": True}
 
 
 def test_generation_runs_without_autograd(random_target, monkeypatch):

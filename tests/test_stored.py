@@ -265,3 +265,118 @@ def test_in_process_graphs_store_their_kernels_and_a_later_process_compiles_noth
     assert err.count("refusing the stored kernels") == 1 and "not built on this machine" in err
     meta = json.loads(stored[0].with_suffix(".meta.json").read_text())  # written again, signed again
     assert meta["signature"] == artifacts.signature(stored[0], meta["key"])
+
+
+@pytest.mark.slow
+def test_a_built_graph_is_tried_in_a_child_process(stored):
+    """What a CUDA build does before storing its graph (AOTInductor's loader crashed on a GPU measured): the library
+    with its operator table loads and runs in a child process; a broken one is reported, not loaded here."""
+    greedy(stored_engine(stored), n=2)  # built by an earlier test, or here
+    library = next((stored.parent / "compiled").glob("*.so"))
+    table = library.with_suffix(".json").read_text() if library.with_suffix(".json").exists() else None
+    decode.loads_in_child(library, table, "cpu", 1, 64)
+    broken = library.parent / "broken.so"
+    broken.write_bytes(library.read_bytes()[:4096])
+    try:
+        with pytest.raises(RuntimeError, match="child process failed"):
+            decode.loads_in_child(broken, table, "cpu", 1, 64)
+    finally:
+        broken.unlink()
+
+
+def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode, "CHILD_CHECK", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    library = tmp_path / "graph.so"
+    library.write_bytes(b"\0")
+    with pytest.raises(RuntimeError, match="signal 11"):
+        decode.loads_in_child(library, None, "cuda", 1, 64)
+    assert list(tmp_path.iterdir()) == [library]  # its check directory removed
+
+
+def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoint, monkeypatch, capsys):
+    """A build that fails (an export error, a library that does not load) leaves a marker under its key: a later
+    run with the same key compiles that shape in its process at once (one line); another key tries again."""
+    def fails(*args):
+        raise RuntimeError("cannot export this model")
+
+    def forward():
+        model = generation.load_model(checkpoint)
+        model.setup_caches(1, 64)
+        return decode.StoredForward(model, "cpu", "stored")
+    monkeypatch.setattr(decode.StoredForward, "export", fails)
+    run, bind = forward().load(1, 1, 64)
+    assert bind is None and callable(run)
+    assert "cannot store" in capsys.readouterr().err
+    assert len(list((checkpoint.parent / "compiled").glob("*.failed"))) == 1
+    monkeypatch.setattr(decode.StoredForward, "export", lambda *args: pytest.fail("built again"))
+    run, bind = forward().load(1, 1, 64)
+    assert bind is None and callable(run)
+    err = capsys.readouterr().err
+    assert "could not be stored here (RuntimeError: cannot export this model)" in err and len(err.splitlines()) == 1
+    monkeypatch.setattr(decode.StoredForward, "export", fails)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # another key
+    try:
+        forward().load(1, 1, 64)
+    finally:
+        torch.set_num_threads(threads)
+    assert "cannot store" in capsys.readouterr().err
+
+
+class FakeCudaGraphs:
+    """torch.cuda's graph API with a CUDA graph's semantics on the CPU: capture records the call, replay runs it
+    again on the captured inputs and writes into the captured outputs."""
+
+    def __init__(self, monkeypatch, differ=False):
+        self.capturing, self.differ = None, differ
+        fakes = self
+
+        class Graph:
+            def replay(self):
+                fresh = self.call()
+                for out, new in zip(self.outputs, fresh):
+                    out.copy_(new + 1 if fakes.differ else new)
+
+        class capture:
+            def __init__(self, graph):
+                self.graph = graph
+
+            def __enter__(self):
+                fakes.capturing = self.graph
+
+            def __exit__(self, *exc):
+                fakes.capturing = None
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", capture)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+def test_stored_cuda_graphs_replay_few_token_calls_only_where_the_replay_equals_the_direct_run(monkeypatch, capsys):
+    """decode.Replayed's bookkeeping (the CUDA graph API faked on the CPU): the first call of a shape runs directly,
+    the second captures and checks a replay against the direct run, later calls copy their inputs in and replay;
+    long calls always run directly; new cache tensors drop the captures; a replay that differs is never used."""
+    fakes = FakeCudaGraphs(monkeypatch)
+    calls = []
+
+    def run(x, pos):
+        calls.append(fakes.capturing is None)
+        out = [x * 2 + pos]
+        if fakes.capturing is not None:
+            fakes.capturing.call, fakes.capturing.outputs = (lambda: [x * 2 + pos]), out
+        return out
+    replayed = decode.Replayed(run)
+    for i in range(4):
+        x, pos = torch.full((1, 1), i), torch.full((1, 1), 10 * i)
+        assert replayed(x, pos)[0].item() == 2 * i + 10 * i
+    assert calls == [True, True, False]  # direct, direct (expected), capture; the last two calls replayed
+    assert replayed(torch.ones(1, 20), torch.ones(1, 20))[0].shape == (1, 20) and calls[-1] is True
+    replayed.reset()
+    calls.clear()
+    replayed(torch.ones(1, 1), torch.ones(1, 1))
+    assert calls == [True]
+
+    fakes.differ = True
+    replayed = decode.Replayed(run)
+    results = [replayed(torch.full((1, 1), i), torch.zeros(1, 1))[0].item() for i in range(4)]
+    assert results == [0, 2, 4, 6]
+    assert "not replayed from a CUDA graph (its replay differs" in capsys.readouterr().err
