@@ -155,6 +155,7 @@ def main(argv=None):
         "ours int8": lambda: ours_(load(int8_pth), compiled=compiled),
         "ours int4 g32": lambda: ours_(load(int4_pth), compiled=compiled),
         "ours fp32, int4 draft chain K=5": lambda: ours_(load(model_pth), load(int4_pth), 5, compiled=compiled),
+        "ours fp32, int8 draft chain K=5": lambda: ours_(load(model_pth), load(int8_pth), 5, compiled=compiled),
         "ours fp32, int4 draft tree N=12 K=4": lambda: ours_(load(model_pth), load(int4_pth), 4, 12,
                                                             compiled=compiled),
         "ours fp32, 3-gram K=5": lambda: ours_(load(model_pth), None, 5, None, 3, compiled=compiled),
