@@ -473,7 +473,7 @@ class StoredForward:
             except Exception as e:  # one this machine built but can no longer load (a system library changed)
                 print(f"refusing the stored graph {library}: it does not load ({type(e).__name__}); building it "
                       f"again", file=sys.stderr)
-        example = self.example(batch, length)
+        example = example_inputs(batch, length, self.device)
         what = f"the graph of {path} (batch {batch}, {length} positions, {self.mode})"
         estimate = artifacts.build_seconds_estimate(directory, model.args.n_layer)
 
@@ -519,9 +519,6 @@ class StoredForward:
         if self.features:
             return (lambda *args: tuple(run(*args))), bind
         return (lambda *args: run(*args)[0]), bind
-
-    def example(self, batch: int, length: int):
-        return example_inputs(batch, length, self.device)
 
     def export(self, example, length: int, tmp: Path):
         """Export the model for these shapes, compile it with AOTInductor, keep its one shared library at tmp;
