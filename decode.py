@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from errors import UserError, write_atomically
-from kernels import use_fast_weight_layout
+import kernels
 from model import Transformer
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -244,7 +244,7 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     one graph returns both, so plain decoding and verification still share it)."""
     mode = resolve_mode(mode, device, getattr(model, "checkpoint_path", None) is not None)
     if not mode.startswith("stored"):  # eager products and regions run on the model's weights as they are
-        use_fast_weight_layout(model)
+        kernels.use_fast_weight_layout(model)
     features = tuple(features)
     if mode == "none":
         return Engine(model, features=features)
@@ -358,7 +358,7 @@ def model_key_fields(model: Transformer, device: str, mode: str) -> dict:
             "scheme": model.quantization, "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
             "device": device, "mode": mode, "machine": artifacts.machine(),
             "sources": artifacts.sources_digest(TRACED_MODULES),
-            "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp"))}
+            "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp")), "native_built": kernels.A8_BUILT}
 
 
 def compiled_count() -> int:
@@ -530,8 +530,10 @@ class StoredForward:
                                           dynamic_shapes=({1: tokens}, {1: tokens}, {1: tokens}, {2: tokens}))
             package = Path(f"{tmp}.pt2")  # the packager wants its suffix
             try:
-                torch._inductor.aoti_compile_and_package(program, package_path=str(package),
-                                                         inductor_configs=dict(self.options))  # it adds to them
+                configs = dict(self.options)  # a copy: the packager adds to it
+                if self.device == "cpu" and kernels.A8_BUILT:
+                    configs["aot_inductor.custom_ops_to_c_shims"] = kernels.c_shims()
+                torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
                 with zipfile.ZipFile(package) as archive:
                     libraries = [n for n in archive.namelist() if n.endswith(".so")]
                     if len(libraries) != 1:

@@ -2,6 +2,7 @@
 choice made before the first forward: the same products, summed in another order (float32 rounding apart, the same
 results); state dict keys, shapes and tied weights are unchanged. Measurements: BENCHMARKS.md. Also the loader of
 kernels_a8.cpp, the integer kernels of the int8-a8 / int4-a8 schemes (quantize.py)."""
+import ctypes
 import functools
 import hashlib
 import os
@@ -142,9 +143,24 @@ def a8_kernels() -> bool:
               f"attention ATen's; install a C++ compiler and ninja (the ones torch.compile uses) for ours",
               file=sys.stderr)
         return False
+    # stored graphs call the operators' C entry points (C_SHIMS) by name: they must be visible to libraries loaded later
+    ctypes.CDLL(str(directory / f"fastgen_a8_{digest}.so"), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     global A8_BUILT
     A8_BUILT = True
     return True
+
+
+def c_shims() -> dict:
+    """AOTInductor's `custom_ops_to_c_shims` for our operators (kernels_a8.cpp's extern "C" functions): a stored
+    graph calls them directly instead of boxing every call's arguments through its proxy executor."""
+    ops = torch.ops.fastgen
+    tensors = lambda *names: ", ".join(f"AtenTensorHandle {n}" for n in names)
+    signatures = {ops.int8_linear.default: tensors("x", "weight", "scales"),
+                  ops.a8_int8_linear.default: tensors("x", "weight", "scales"),
+                  ops.a8_int4_linear.default: tensors("x", "weight", "scales_and_zeros") + ", int64_t groupsize",
+                  ops.attention.default: tensors("q", "k", "v", "mask")}
+    return {op: [f"AOTITorchError aoti_torch_cpu_{op._opname}({args}, AtenTensorHandle* ret0)"]
+            for op, args in signatures.items()}
 
 
 A8_BUILT = False  # a8_kernels() succeeded: what a graph being traced reads (dynamo would trace a8_kernels' build)

@@ -8,6 +8,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/zeros_like.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -866,3 +867,33 @@ TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
 }
 
 TORCH_LIBRARY_FRAGMENT(fastgen, m) { m.def("a8_isa() -> str", &a8_isa); }
+
+// C entry points for stored graphs (AOTInductor): a graph calls these directly instead of through its proxy executor,
+// which boxes every call's arguments (kernels.C_SHIMS declares them; the names follow AOTInductor's shim convention).
+#define FASTGEN_SHIM(NAME, CALL)                                       \
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({                        \
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;       \
+    *ret0 = torch::aot_inductor::new_tensor_handle(CALL);             \
+  })
+#define T(H) (*tensor_handle_to_tensor_pointer(H))
+
+extern "C" {
+AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
+                                          AtenTensorHandle* ret0) {
+  FASTGEN_SHIM(int8_linear, int8_linear(T(x), T(weight), T(scales)));
+}
+AOTITorchError aoti_torch_cpu_a8_int8_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
+                                             AtenTensorHandle* ret0) {
+  FASTGEN_SHIM(a8_int8_linear, a8_int8_linear(T(x), T(weight), T(scales)));
+}
+AOTITorchError aoti_torch_cpu_a8_int4_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                             AtenTensorHandle scales_and_zeros, int64_t groupsize,
+                                             AtenTensorHandle* ret0) {
+  FASTGEN_SHIM(a8_int4_linear, a8_int4_linear(T(x), T(weight), T(scales_and_zeros), groupsize));
+}
+AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                        AtenTensorHandle mask, AtenTensorHandle* ret0) {
+  FASTGEN_SHIM(attention, attention(T(q), T(k), T(v), T(mask)));
+}
+}
+#undef T

@@ -267,8 +267,12 @@ class FeedForward(nn.Module):
         self.w1 = Linear(args.dim, args.intermediate_size, bias=False)
         self.w3 = Linear(args.dim, args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = None  # w1 and w3 stacked as one product (quantize.fuse_gate_up, made at load time)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

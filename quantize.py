@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 import kernels  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from model import FeedForward, ModelArgs, Transformer  # noqa: E402
 
 GROUPSIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 MODES = ("int8", "int4", "int8-a8", "int4-a8")
@@ -69,6 +69,12 @@ class Int8Linear(nn.Module):
             return y.view(*x.shape[:-1], -1).to(x.dtype)
         # per-row scales commute with the matmul: scale the outputs, not the N x K weight
         return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+
+    def stacked(self, other: "Int8Linear") -> "Int8Linear":
+        """One layer computing [self(x), other(x)] (not yet packed): its rows, then other's."""
+        fused = type(self)(self.in_features, self.out_features + other.out_features, device=self.weight.device)
+        fused.weight, fused.scales = torch.cat([self.weight, other.weight]), torch.cat([self.scales, other.scales])
+        return fused
 
     def pack_for_cpu(self):
         """kernels_a8.cpp's layout: rows padded with zeros to a multiple of A8_STEP inputs, float32 scales (the
@@ -131,6 +137,14 @@ class Int4Linear(nn.Module):
             q = unpack_int4(self.weight).to(torch.int32)
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # 1: inner k-tiles, unused on CPU
             self.packed_for_cpu = True
+
+    def stacked(self, other: "Int4Linear") -> "Int4Linear":
+        """One layer computing [self(x), other(x)] (not yet packed): its rows, then other's."""
+        fused = type(self)(self.in_features, self.out_features + other.out_features, self.groupsize,
+                           device=self.weight.device)
+        fused.weight = torch.cat([self.weight, other.weight])
+        fused.scales_and_zeros = torch.cat([self.scales_and_zeros, other.scales_and_zeros], dim=1)
+        return fused
 
     def keep_rows(self, rows: Tensor):
         """Column parallelism: keep these output rows, with their scales and zeros."""
@@ -239,8 +253,21 @@ def apply_quantization_scheme(model: Transformer, scheme: dict):
     return model
 
 
+def fuse_gate_up(model: nn.Module):
+    """Each feed-forward's quantized w1 and w3 as one product w13 (w1's rows, then w3's): they read the same
+    input, and a decode step's products are small enough that each call's fixed cost shows (BENCHMARKS.md,
+    "Integer kernels"). Every output row is computed as before, so the results are the same bits."""
+    for module in model.modules():
+        if isinstance(module, FeedForward) and module.w13 is None and type(module.w1) is type(module.w3) \
+                and isinstance(module.w1, (Int8Linear, Int4Linear)) and not module.w1.packed_for_cpu:
+            module.w13 = module.w1.stacked(module.w3)
+            del module.w1, module.w3
+
+
 def pack_for_device(model: nn.Module):
-    """After loading (and sharding): int8 and int4 weights on the CPU go into their CPU kernel's layout."""
+    """After loading (and sharding): w1 and w3 stacked (fuse_gate_up), and int8 and int4 weights on the CPU in
+    their CPU kernel's layout."""
+    fuse_gate_up(model)
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)):
             module.pack_for_cpu()

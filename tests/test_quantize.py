@@ -176,10 +176,10 @@ def test_logits_close_to_full_precision(mode, groupsize, bound, which, target, t
     reference = generation.load_model(checkpoint)
     model = generation.load_model(quantized_file(checkpoint, mode, groupsize), precision=precision)
     assert model.quantization == {"mode": mode, **({"groupsize": groupsize} if groupsize else {})}
-    w1 = model.layers[0].feed_forward.w1
-    assert type(w1) is (quantize.Int8Linear if mode == "int8" else quantize.Int4Linear)
+    w13 = model.layers[0].feed_forward.w13  # w1 and w3 stacked at load time
+    assert type(w13) is (quantize.Int8Linear if mode == "int8" else quantize.Int4Linear)
     if mode == "int4":
-        assert w1.packed_for_cpu  # load_model put it in the CPU kernel's layout (the fast path)
+        assert w13.packed_for_cpu  # load_model put it in the CPU kernel's layout (the fast path)
     assert type(model.output) is quantize.Int8Linear  # the output layer is int8 in both modes
     assert model.model_bytes() < 0.5 * reference.model_bytes()
     if which == "tied":  # the embedding keeps its full-precision weights; the output has its own int8 copy
@@ -234,6 +234,24 @@ def greedy_without_cache(model, prompt_ids, n):
     return ids[len(prompt_ids):]
 
 
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int8-a8", None), ("int4-a8", 32)])
+def test_stacking_gate_and_up_changes_no_bit(mode, groupsize, target, monkeypatch):
+    """load_model stacks each block's w1 and w3 into one product (quantize.fuse_gate_up): the logits are the bits
+    of the separate products, for one row and for several."""
+    path = quantized_file(target, mode, groupsize)
+    fused = generation.load_model(path)
+    for block in fused.layers:
+        ffn = block.feed_forward
+        assert not hasattr(ffn, "w1") and not hasattr(ffn, "w3")
+        assert ffn.w13.out_features == 2 * ffn.w2.in_features
+    monkeypatch.setattr(quantize, "fuse_gate_up", lambda model: None)
+    separate = generation.load_model(path)
+    assert separate.layers[0].feed_forward.w13 is None
+    for shape in [(1, 1), (3, 7)]:
+        x = torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(logits(fused, x), logits(separate, x))
+
+
 @pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
 def test_generate_loads_quantized_checkpoint_by_path(mode, groupsize, target, tmp_path, capsys):
     path = quantized_file(target, mode, groupsize)
@@ -267,10 +285,10 @@ def test_a8_schemes_load_generate_and_compile(mode, groupsize, target, tmp_path)
     assert torch.load(path, weights_only=True)["quantization"] == {"mode": mode, **({"groupsize": 32} if groupsize
                                                                                    else {})}
     model = generation.load_model(path)
-    w1, output = model.layers[0].feed_forward.w1, model.output
-    assert type(w1) is (quantize.Int8A8Linear if mode == "int8-a8" else quantize.Int4A8Linear)
+    w13, output = model.layers[0].feed_forward.w13, model.output
+    assert type(w13) is (quantize.Int8A8Linear if mode == "int8-a8" else quantize.Int4A8Linear)
     assert type(output) is quantize.Int8A8Linear  # the output layer is int8 in both modes
-    assert w1.packed_for_cpu == output.packed_for_cpu == kernels.a8_kernels()
+    assert w13.packed_for_cpu == output.packed_for_cpu == kernels.a8_kernels()
     x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     want, got = logits(generation.load_model(target), x), logits(model, x)
     assert ((got - want).norm() / want.norm()).item() < (0.03 if mode == "int8-a8" else 0.07)
