@@ -497,10 +497,19 @@ class StoredForward:
 
     def in_process(self):
         """(run, None): this shape compiled in the process (whole graph: CUDA graphs on GPU), for a graph that
-        cannot be stored or loaded here."""
+        cannot be stored or loaded here; its kernels are kept as an in-process whole graph's are (CompileCache)."""
         model = self.model
         fn = functools.partial(model.forward_features, layers=self.features) if self.features else model
-        return torch.compile(fn, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole")), None
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole"))
+        cache = CompileCache.for_model(model, self.device, "whole")
+        if cache is None:
+            return compiled, None
+
+        def run(*args):
+            out = compiled(*args)
+            cache.save_if_new()
+            return out
+        return run, None
 
     def open(self, library: Path):
         """Load a stored graph (its weights inside it): run(*args) and bind(cache tensors). The library itself:

@@ -292,9 +292,9 @@ def quantize_head(head: DraftHead):
     for name, linear in [(n, m) for n, m in head.named_modules() if isinstance(m, nn.Linear)]:
         layer = quantize.Int8Linear(linear.in_features, linear.out_features)
         layer.weight, layer.scales = quantize.quantize_int8(linear.weight.detach())
-        layer.pack_for_cpu()
         parent, _, child = name.rpartition(".")
         setattr(head.get_submodule(parent) if parent else head, child, layer)
+    quantize.pack_for_device(head)  # the target's layout: w1 and w3 stacked, the CPU kernel's weight layout
 
 
 # ----------------------------------------------------------------------------- the head as a drafter

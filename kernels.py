@@ -137,14 +137,14 @@ def a8_kernels() -> bool:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(f"fastgen_a8_{digest}", [str(A8_SOURCE)], build_directory=str(directory),
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
+        # stored graphs call the operators' C entry points (c_shims) by name: visible to libraries loaded later
+        ctypes.CDLL(str(directory / f"fastgen_a8_{digest}.so"), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         print(f"cannot build {A8_SOURCE.name} ({reason}): int8-a8 / int4-a8 layers use the weight-only kernels and "
               f"attention ATen's; install a C++ compiler and ninja (the ones torch.compile uses) for ours",
               file=sys.stderr)
         return False
-    # stored graphs call the operators' C entry points (C_SHIMS) by name: they must be visible to libraries loaded later
-    ctypes.CDLL(str(directory / f"fastgen_a8_{digest}.so"), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     global A8_BUILT
     A8_BUILT = True
     return True
@@ -154,7 +154,9 @@ def c_shims() -> dict:
     """AOTInductor's `custom_ops_to_c_shims` for our operators (kernels_a8.cpp's extern "C" functions): a stored
     graph calls them directly instead of boxing every call's arguments through its proxy executor."""
     ops = torch.ops.fastgen
-    tensors = lambda *names: ", ".join(f"AtenTensorHandle {n}" for n in names)
+
+    def tensors(*names):
+        return ", ".join(f"AtenTensorHandle {n}" for n in names)
     signatures = {ops.int8_linear.default: tensors("x", "weight", "scales"),
                   ops.a8_int8_linear.default: tensors("x", "weight", "scales"),
                   ops.a8_int4_linear.default: tensors("x", "weight", "scales_and_zeros") + ", int64_t groupsize",

@@ -257,7 +257,7 @@ def test_in_process_graphs_store_their_kernels_and_a_later_process_compiles_noth
     stored = list((checkpoint.parent / "compiled").glob(f"{checkpoint.stem}-kernels-regional-*.bin"))
     assert first["misses"] > 0 and len(stored) == 1
     second, err = run("second")
-    assert second["tokens"] == first["tokens"] and second["misses"] == 0 and second["hits"] > 0, second
+    assert second["tokens"] == first["tokens"] and second["misses"] == 0 and second["hits"] > 0, (first, second)
     assert "refusing" not in err
     stored[0].write_bytes(stored[0].read_bytes()[:-8] + b"tampered")
     third, err = run("third")
@@ -265,6 +265,51 @@ def test_in_process_graphs_store_their_kernels_and_a_later_process_compiles_noth
     assert err.count("refusing the stored kernels") == 1 and "not built on this machine" in err
     meta = json.loads(stored[0].with_suffix(".meta.json").read_text())  # written again, signed again
     assert meta["signature"] == artifacts.signature(stored[0], meta["key"])
+
+
+FALLBACK_RUN = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from torch._dynamo.utils import counters
+import decode, generation
+torch.set_num_threads(1)
+def fails(*args):
+    raise RuntimeError("cannot export this model")
+decode.StoredForward.export = fails
+decode.graph_options = lambda model, device, mode: {{"options": {{"freezing": False}}}}  # frozen: not cacheable
+engine = decode.compile_engine(generation.load_model({path!r}), "cpu", "auto")
+rows, _ = generation.generate(engine, torch.tensor([1, 5, 9, 2, 7]), 6, decode.Sampling(), [], stop_at_eos=False)
+print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_cache_miss"],
+                  "hits": counters["inductor"]["fxgraph_cache_hit"]}}))
+"""
+
+
+@pytest.mark.slow  # two processes compiling or loading a whole graph
+def test_a_shape_compiled_in_the_process_instead_keeps_its_kernels(checkpoint, tmp_path):
+    """Where a stored graph cannot be built (or loaded) here, that shape is compiled in the process, and its kernels
+    are stored like an in-process engine's (decode.CompileCache): later processes, each with an empty inductor cache
+    and the failure marker, give the same tokens and load the kernels instead of compiling them (the second process
+    traced one of the two graphs differently from the first and compiled it; from the third on, nothing)."""
+    import subprocess
+    import sys
+    from helpers import ROOT
+
+    def run(name):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / name), OMP_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, "-c", FALLBACK_RUN.format(root=str(ROOT), path=str(checkpoint))],
+                              capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+    first, err = run("first")
+    assert "cannot store" in err and first["misses"] > 0
+    assert len(list((checkpoint.parent / "compiled").glob(f"{checkpoint.stem}-kernels-whole-*.bin"))) == 1
+    second, err = run("second")
+    third, _ = run("third")
+    assert "could not be stored here" in err
+    assert second["tokens"] == third["tokens"] == first["tokens"]
+    assert second["hits"] > 0 and second["misses"] < first["misses"], (first, second)
+    assert third["misses"] == 0 and third["hits"] == first["misses"], (first, third)
 
 
 @pytest.mark.slow
