@@ -248,14 +248,14 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     features = tuple(features)
     if mode == "none":
         return Engine(model, features=features)
-    configure_compiler(device)
-    if mode.startswith("stored"):
+    if mode.startswith("stored"):  # loading a stored graph imports no compiler (inductor alone takes seconds)
         stored = StoredForward(model, device, mode, features)
         forward = (lambda *args, **kwargs: stored(*args, **kwargs)[0]) if features else stored
         model.round_cache_length = True  # a few cache lengths, so a few graphs, whatever each prompt's length
         return Engine(model, mode, prefill=dropping_model(prefill, forward),
                       decode_one_token=dropping_model(decode_one_token, forward), forward=forward, features=features,
                       forward_features=stored if features else None)
+    configure_compiler(device)
     cache = CompileCache.for_model(model, device, mode)
     if mode == "regional":
         return persisting(compile_regions(model, compile_prefill, features), cache)
@@ -478,6 +478,7 @@ class StoredForward:
         estimate = artifacts.build_seconds_estimate(directory, model.args.n_layer)
 
         def build(tmp):
+            configure_compiler(self.device)
             table = self.export(example, length, tmp)
             if self.device.startswith("cuda"):  # the loader crashed on a GPU measured: try it where a crash is harmless
                 loads_in_child(tmp, table, self.device, batch, length)
@@ -499,6 +500,7 @@ class StoredForward:
         """(run, None): this shape compiled in the process (whole graph: CUDA graphs on GPU), for a graph that
         cannot be stored or loaded here; its kernels are kept as an in-process whole graph's are (CompileCache)."""
         model = self.model
+        configure_compiler(self.device)
         fn = functools.partial(model.forward_features, layers=self.features) if self.features else model
         compiled = torch.compile(fn, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole"))
         cache = CompileCache.for_model(model, self.device, "whole")

@@ -22,8 +22,8 @@ from typing import Optional, Union
 
 import torch
 
-from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, configure_compiler, \
-    decode_n_tokens, sample, sdpa_context
+from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, \
+    sample, sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
 from model import ModelArgs, Transformer
@@ -644,8 +644,6 @@ def run(settings: Settings, say=print, questions=None) -> dict:
     in the checkpoint's chat template with streamed answers. Returns the stats (the --stats_json object)."""
     settings.check()
     torch.manual_seed(settings.seed)
-    if settings.compile != "none":
-        configure_compiler(settings.device)
     rank, world_size, shard = setup_distributed(settings.device, settings)
     say = say if rank == 0 else (lambda *a, **k: None)
     t0 = time.perf_counter()

@@ -36,7 +36,7 @@ from errors import UserError, interruptible_imports
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 
-from decode import COMPILE_MODES, PRECISIONS, Sampling, configure_compiler, logits_to_probs, sdpa_context  # noqa: E402
+from decode import COMPILE_MODES, PRECISIONS, Sampling, logits_to_probs, sdpa_context  # noqa: E402
 from generation import Generator, Speculation  # noqa: E402
 
 log = logging.getLogger("serve")
@@ -949,8 +949,6 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
     """The generator for these flags (as generate.py builds it) under a scheduler."""
     depth = args.speculate_k if args.speculate_k == "auto" else int(args.speculate_k)
     precision = PRECISIONS[args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")]
-    if args.compile != "none":
-        configure_compiler(args.device)
     nodes = args.tree_nodes if args.tree_nodes in (None, "auto") else int(args.tree_nodes)
     generator = Generator.build(args.checkpoint_path, args.device, precision, args.draft_checkpoint_path,
                                 Speculation(depth, nodes, args.draft_ngram), args.compile, draft_head=args.draft_head)

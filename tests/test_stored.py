@@ -312,6 +312,35 @@ def test_a_shape_compiled_in_the_process_instead_keeps_its_kernels(checkpoint, t
     assert third["misses"] == 0 and third["hits"] == first["misses"], (first, third)
 
 
+LOAD_RUN = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+import decode, generation
+generator = generation.Generator.build({path!r}, compile="auto")
+rows, _ = generator.generate([1, 5, 9, 2, 7], 6, decode.Sampling(), stop_at_eos=False)
+print(json.dumps({{"tokens": rows, "mode": generator.target.mode,
+                  "compiler": sorted(m for m in ("torch._inductor", "torch._dynamo") if m in sys.modules)}}))
+"""
+
+
+@pytest.mark.slow  # a build in the first process
+def test_a_process_that_loads_a_stored_graph_imports_no_compiler(stored, tmp_path):
+    """Loading and running a stored graph needs AOTInductor's runner only: a later process never imports inductor or
+    dynamo (seconds of a launch), and decodes what the building process decoded."""
+    import subprocess
+    import sys
+    from helpers import ROOT
+
+    def run():
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+        done = subprocess.run([sys.executable, "-c", LOAD_RUN.format(root=str(ROOT), path=str(stored))],
+                              capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    first, later = run(), run()  # the first may build the graph (this process's thread count is part of its key)
+    assert later["mode"] == "stored" and later["compiler"] == [] and later["tokens"] == first["tokens"]
+
+
 @pytest.mark.slow
 def test_a_built_graph_is_tried_in_a_child_process(stored):
     """What a CUDA build does before storing its graph (AOTInductor's loader crashed on a GPU measured): the library
