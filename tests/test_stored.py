@@ -332,7 +332,8 @@ def test_a_process_that_loads_a_stored_graph_imports_no_compiler(stored, tmp_pat
     from helpers import ROOT
 
     def run():
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+                   OMP_NUM_THREADS=str(torch.get_num_threads()))  # the graph the tests before built, if any
         done = subprocess.run([sys.executable, "-c", LOAD_RUN.format(root=str(ROOT), path=str(stored))],
                               capture_output=True, text=True, env=env)
         assert done.returncode == 0, done.stderr
