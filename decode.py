@@ -92,6 +92,13 @@ def sample(logits: Tensor, sampling: Sampling):
     return sample_from(probs), probs
 
 
+def chosen_is_finite(values: Tensor, tokens: Tensor) -> Tensor:
+    """[B] bool: each row's entry at its chosen token (values [B, V]: logits, or probabilities) is finite. Enough to
+    catch broken weights: argmax picks a NaN or +inf where a row has one, and NaN logits make every probability NaN
+    (a look at every logit costs more than the argmax)."""
+    return values.gather(-1, tokens.view(-1, 1)).squeeze(-1) < float("inf")
+
+
 # ----------------------------------------------------------------------------- prefill and one-token decode
 
 def prefill(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling, last: Optional[Tensor] = None,
@@ -358,7 +365,8 @@ def model_key_fields(model: Transformer, device: str, mode: str) -> dict:
             "scheme": model.quantization, "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
             "device": device, "mode": mode, "machine": artifacts.machine(),
             "sources": artifacts.sources_digest(TRACED_MODULES),
-            "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp")), "native_built": kernels.A8_BUILT}
+            "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp")),
+            "native_built": kernels.A8_BUILT}
 
 
 def compiled_count() -> int:

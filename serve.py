@@ -36,7 +36,7 @@ from errors import UserError, interruptible_imports
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 
-from decode import COMPILE_MODES, PRECISIONS, Sampling, logits_to_probs, sdpa_context  # noqa: E402
+from decode import COMPILE_MODES, PRECISIONS, Sampling, chosen_is_finite, logits_to_probs, sdpa_context  # noqa: E402
 from generation import Generator, Speculation  # noqa: E402
 
 log = logging.getLogger("serve")
@@ -475,10 +475,7 @@ class Scheduler:
             return
         logits = torch.stack([row for _, row in rows]).float()  # [n, V]
         argmax = logits.argmax(-1)
-        # argmax picks a NaN or +inf where a row has one: its logit alone tells (a look at every logit cost more
-        # than the argmax)
-        top = logits.gather(-1, argmax.unsqueeze(-1)).squeeze(-1).tolist()
-        for (r, _), row, best, ok in zip(rows, logits, argmax.tolist(), [t < float("inf") for t in top]):
+        for (r, _), row, best, ok in zip(rows, logits, argmax.tolist(), chosen_is_finite(logits, argmax).tolist()):
             if not ok:
                 self.fail(r, ApiError(500, "the model's logits are NaN or infinite: its weights are broken",
                                       kind="server_error"))

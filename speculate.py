@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, logits_to_probs, sample, sample_from, sdpa_context
+from decode import Engine, Sampling, chosen_is_finite, logits_to_probs, sample, sample_from, sdpa_context
 from errors import UserError
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -546,10 +546,7 @@ def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, fe
         else:
             logits = target.forward(x, input_pos, input_pos, mask)  # [B, 1, V]
     token, probs = sample(logits[:, -1], sampling)
-    # argmax picks a NaN or +inf where there is one, and NaN logits make every probability NaN: looking at the
-    # chosen entries alone catches what verification's look at every logit catches
-    chosen = (logits[:, -1] if probs is None else probs).gather(-1, token.view(-1, 1))
-    if not bool((chosen < float("inf")).all()):
+    if not bool(chosen_is_finite(logits[:, -1] if probs is None else probs, token).all()):
         raise non_finite_logits(model, "for a generated token")
     return token.tolist(), hidden
 
