@@ -4,6 +4,8 @@ are truncated, or when someone else wrote them."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,17 @@ import torch
 import artifacts
 import decode
 import generation
-from helpers import write_checkpoint
+from helpers import ROOT, write_checkpoint
+
+def run_script(script: str, checkpoint, cache_dir, threads: int = 1):
+    """A script (formatted with the repository root and the checkpoint) in a new process with its own inductor cache:
+    (the JSON of its last line of output, its stderr)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS=str(threads))
+    done = subprocess.run([sys.executable, "-c", script.format(root=str(ROOT), path=str(checkpoint))],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
 
 def greedy(engine, prompt=(1, 5, 9, 2, 7), n=12):
     rows, _ = generation.generate(engine, torch.tensor(prompt), n, decode.Sampling(), [], stop_at_eos=False)
@@ -88,14 +100,12 @@ def test_cli_compile_stores_then_loads(stored, tmp_path):
     """generate.py --compile loads the graph stored by the test above (or builds it) and decodes the eager tokens,
     as a second run does; scripts/compile_model.py finds the graph already there."""
     checkpoint = stored
-    from helpers import ROOT, run
+    from helpers import run
     plain = run(checkpoint, "--ignore_eos", "--temperature", "0", n=8)
     first = run(checkpoint, "--ignore_eos", "--temperature", "0", "--compile", n=8)
     second = run(checkpoint, "--ignore_eos", "--temperature", "0", "--compile", n=8)
     assert first["compile_mode"] == second["compile_mode"] == "stored"
     assert plain["samples"][0]["tokens"] == first["samples"][0]["tokens"] == second["samples"][0]["tokens"]
-    import subprocess
-    import sys
     done = subprocess.run([sys.executable, str(ROOT / "scripts/compile_model.py"), "--checkpoint_path", str(checkpoint),
                            "--max_tokens", "64", "--speculate_k", "2", "--draft_ngram", "2"],
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -242,16 +252,8 @@ def test_in_process_graphs_store_their_kernels_and_a_later_process_compiles_noth
     """Modes compiled in the process (CUDA's whole graphs, regions on CPU) store their kernels beside the checkpoint
     (decode.CompileCache): a later process with an empty inductor cache generates the same tokens with no graph
     code-generated again; a changed (or foreign) kernel file is refused with one line and written again."""
-    import subprocess
-    import sys
-    from helpers import ROOT
-
     def run(name):
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / name), OMP_NUM_THREADS="1")
-        done = subprocess.run([sys.executable, "-c", KERNELS_RUN.format(root=str(ROOT), path=str(checkpoint))],
-                              capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+        return run_script(KERNELS_RUN, checkpoint, tmp_path / name)
 
     first, _ = run("first")
     stored = list((checkpoint.parent / "compiled").glob(f"{checkpoint.stem}-kernels-regional-*.bin"))
@@ -290,16 +292,8 @@ def test_a_shape_compiled_in_the_process_instead_keeps_its_kernels(checkpoint, t
     are stored like an in-process engine's (decode.CompileCache): later processes, each with an empty inductor cache
     and the failure marker, give the same tokens and load the kernels instead of compiling them (the second process
     traced one of the two graphs differently from the first and compiled it; from the third on, nothing)."""
-    import subprocess
-    import sys
-    from helpers import ROOT
-
     def run(name):
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / name), OMP_NUM_THREADS="1")
-        done = subprocess.run([sys.executable, "-c", FALLBACK_RUN.format(root=str(ROOT), path=str(checkpoint))],
-                              capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+        return run_script(FALLBACK_RUN, checkpoint, tmp_path / name)
 
     first, err = run("first")
     assert "cannot store" in err and first["misses"] > 0
@@ -327,17 +321,8 @@ print(json.dumps({{"tokens": rows, "mode": generator.target.mode,
 def test_a_process_that_loads_a_stored_graph_imports_no_compiler(stored, tmp_path):
     """Loading and running a stored graph needs AOTInductor's runner only: a later process never imports inductor or
     dynamo (seconds of a launch), and decodes what the building process decoded."""
-    import subprocess
-    import sys
-    from helpers import ROOT
-
-    def run():
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-                   OMP_NUM_THREADS=str(torch.get_num_threads()))  # the graph the tests before built, if any
-        done = subprocess.run([sys.executable, "-c", LOAD_RUN.format(root=str(ROOT), path=str(stored))],
-                              capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    def run():  # at this process's thread count: the graph the tests before built, if any
+        return run_script(LOAD_RUN, stored, tmp_path / "inductor", torch.get_num_threads())[0]
     first, later = run(), run()  # the first may build the graph (this process's thread count is part of its key)
     assert later["mode"] == "stored" and later["compiler"] == [] and later["tokens"] == first["tokens"]
 
