@@ -541,8 +541,8 @@ class StoredForward:
 
     def export(self, example, length: int, tmp: Path):
         """Export the model for these shapes, compile it with AOTInductor, keep its one shared library at tmp;
-        returns its operator table (the package's wrapper .json: what the runner needs to call custom operators,
-        such as the a8 kernels), or None."""
+        returns its operator table (the package's wrapper .json: what the runner needs to call custom operators
+        that have no C entry point; ours have one, kernels.c_shims), or None."""
         tokens = torch.export.Dim("tokens", min=1, max=length)
         with torch.no_grad():
             program = torch.export.export(ExportedForward(self.model, self.features), example, strict=False,
