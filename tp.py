@@ -191,10 +191,11 @@ def end_process(error=None, status: int = 1):
     if error is None:
         dist.barrier()
         dist.destroy_process_group()
-    else:
-        print(error, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    if error is not None:
+        # one write of the whole line: the ranks share stderr, and print's separate newline lets two lines interleave
+        os.write(sys.stderr.fileno(), f"{error}\n".encode())
     os._exit(0 if error is None else status)
 
 
