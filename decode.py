@@ -357,14 +357,18 @@ def hot_load(blob: bytes):
                 seen.add(artifact)
 
 
-def model_key_fields(model: Transformer, device: str, mode: str) -> dict:
-    """What keys every compiled artifact of a model (artifacts.py): the weights file's identity, config, scheme and
-    dtypes, device and mode, torch / ISA / threads, and the source of the code traced or called."""
+# the modules whose code a stored graph holds: a change to any of them builds it again
+TRACED_MODULES = ("model", "kernels", "quantize", "decode")
+
+
+def model_key_fields(model: torch.nn.Module, device: str, mode: str, sources: tuple = TRACED_MODULES) -> dict:
+    """What keys every compiled artifact of a model or draft head (artifacts.py): the weights file's identity, config,
+    scheme and dtypes, device and mode, torch / ISA / threads, and the source of the code traced or called."""
     import artifacts
     return {"weights": artifacts.file_identity(model.checkpoint_path), "config": dataclasses.asdict(model.args),
             "scheme": model.quantization, "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
             "device": device, "mode": mode, "machine": artifacts.machine(),
-            "sources": artifacts.sources_digest(TRACED_MODULES),
+            "sources": artifacts.sources_digest(sources),
             "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp")),
             "native_built": kernels.A8_BUILT}
 
@@ -414,58 +418,56 @@ class ExportedForward(torch.nn.Module):
         return self.model(idx, input_pos, slots, mask)
 
 
-# the modules whose code a stored graph holds: a change to any of them builds it again
-TRACED_MODULES = ("model", "kernels", "quantize", "decode")
 
-
-class StoredForward:
-    """model(idx, input_pos, slots, mask) through a stored AOTInductor graph: one per batch size and cache size,
-    dynamic in the number of tokens T (1: decode, the tree size: verification, the prompt: prefill).
-    The graph's KV cache is the model's own tensors (handed to it, not copied), so eager code and every graph see
+class StoredGraph:
+    """A module's forward through stored AOTInductor graphs: one per shape (batch, cache batch, cache length), dynamic
+    in the number of tokens T (dim 1 of every input; dim 2 of the mask), built once and kept beside the checkpoint.
+    The graph's KV cache is the module's own tensors (handed to it, not copied), so eager code and every graph see
     one cache. Graphs are keyed and signed (artifacts.py): a stale or foreign one is refused with one line and
-    rebuilt. Where a graph cannot be exported, that shape is compiled in this process instead (one line says so)."""
+    rebuilt. Where a graph cannot be exported, that shape is compiled in this process instead (one line says so).
+    A subclass says what is exported (`exported`, `example`), what keys it (`key_fields`) and what it is called."""
+    owner = "model"  # the exported wrapper's attribute holding the module: the prefix of its buffers in the graph
+    tuple_out = False  # the graph returns several tensors
 
-    def __init__(self, model: Transformer, device: str, mode: str, features: tuple = ()):
-        self.model, self.device, self.mode, self.features = model, device, mode, tuple(features)
-        self.options = stored_options(model, mode, device)
+    def __init__(self, module: torch.nn.Module, device: str, mode: str, checkpoint_path, n_layer: int):
+        self.module, self.device, self.mode, self.path, self.n_layer = module, device, mode, checkpoint_path, n_layer
         self.graphs = {}  # (batch, cache batch, cache length) -> [run(*args), bind(cache tensors) or None, bound cache]
 
-    def __call__(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None, mask: Optional[Tensor] = None,
-                 block=None) -> Tensor:
-        model = self.model
-        if slots is None:
-            slots = input_pos
-        if mask is None:  # causal over slots, as Transformer.hidden_states makes it
-            cache_slots = torch.arange(model.max_seq_length, device=idx.device)
-            mask = cache_slots.view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
-        cache = model.layers[0].attention.kv_cache.k_cache
-        shape = (idx.shape[0], cache.shape[0], cache.shape[2])
+    def exported(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def example(self, batch: int, length: int, tokens: int) -> tuple:
+        """The graph's arguments for `tokens` tokens: what it is exported with and what a child process runs."""
+        raise NotImplementedError
+
+    def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
+        raise NotImplementedError
+
+    def label(self, batch: int, cache_batch: int, length: int) -> str:
+        return f"{Path(self.path).stem}-b{batch}of{cache_batch}-s{length}"
+
+    def compiled_in_process(self):
+        raise NotImplementedError
+
+    def run(self, args: tuple, batch: int, cache: Tensor):
+        """The graph of this shape (loaded or built at its first call) on args; `cache`: a tensor of the module's
+        current KV cache, whose batch and length pick the graph (new cache tensors are handed to it)."""
+        shape = (batch, cache.shape[0], cache.shape[2])
         if shape not in self.graphs:
             self.graphs[shape] = [*self.load(*shape), None]
         graph = self.graphs[shape]
         if graph[1] is not None and graph[2] is not cache:  # new cache tensors: hand them over
-            graph[1]({name: t for name, t in model.named_buffers() if "kv_cache" in name})
+            graph[1]({name: t for name, t in self.module.named_buffers() if "kv_cache" in name})
             graph[2] = cache
-        args = (idx.long(), input_pos.long(), slots.long(), mask.expand(shape[0], 1, idx.shape[1], shape[2]))
         return graph[0](*(a.contiguous() for a in args))
-
-    def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
-        """Everything that changes the code generated for this model and shape (artifacts.py)."""
-        cache = self.model.layers[0].attention.kv_cache.k_cache
-        return dict(model_key_fields(self.model, self.device, self.mode),
-                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options,
-                    features=list(self.features))
 
     def load(self, batch: int, cache_batch: int, length: int):
         """(run, bind) of the stored graph for this shape: loaded if a valid one is stored, else built and stored."""
         import artifacts
-        model = self.model
-        path = model.checkpoint_path
         fields = self.key_fields(batch, cache_batch, length)
         key = artifacts.key_of(fields)
-        directory = artifacts.directory_for(path)
-        features = "-f" + ".".join(map(str, self.features)) if self.features else ""
-        name = f"{Path(path).stem}-b{batch}of{cache_batch}-s{length}{features}-{self.mode}-{key[:16]}"
+        directory = artifacts.directory_for(self.path)
+        name = f"{self.label(batch, cache_batch, length)}-{self.mode}-{key[:16]}"
         failed = directory / f"{name}.failed"  # a build that failed for this key: not tried again in every run
         marker = failed.read_text(errors="replace").splitlines() if failed.exists() else []
         if marker[:1] == [key]:
@@ -481,15 +483,14 @@ class StoredForward:
             except Exception as e:  # one this machine built but can no longer load (a system library changed)
                 print(f"refusing the stored graph {library}: it does not load ({type(e).__name__}); building it "
                       f"again", file=sys.stderr)
-        example = example_inputs(batch, length, self.device)
-        what = f"the graph of {path} (batch {batch}, {length} positions, {self.mode})"
-        estimate = artifacts.build_seconds_estimate(directory, model.args.n_layer)
+        what = f"the graph of {self.path} (batch {batch}, {length} positions, {self.mode})"
+        estimate = artifacts.build_seconds_estimate(directory, self.n_layer)
 
         def build(tmp):
             configure_compiler(self.device)
-            table = self.export(example, length, tmp)
+            table = self.export(self.example(batch, length, 4), length, tmp)
             if self.device.startswith("cuda"):  # the loader crashed on a GPU measured: try it where a crash is harmless
-                loads_in_child(tmp, table, self.device, batch, length)
+                loads_in_child(tmp, table, self.device, [self.example(batch, length, t) for t in (1, 4)])
             return table
         try:
             library = with_progress(what, estimate, lambda: artifacts.store(directory, name, key, fields, build))
@@ -507,11 +508,10 @@ class StoredForward:
     def in_process(self):
         """(run, None): this shape compiled in the process (whole graph: CUDA graphs on GPU), for a graph that
         cannot be stored or loaded here; its kernels are kept as an in-process whole graph's are (CompileCache)."""
-        model = self.model
         configure_compiler(self.device)
-        fn = functools.partial(model.forward_features, layers=self.features) if self.features else model
-        compiled = torch.compile(fn, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole"))
-        cache = CompileCache.for_model(model, self.device, "whole")
+        compiled = self.compiled_in_process()
+        cache = CompileCache.for_model(self.module, self.device, "whole") if isinstance(self.module, Transformer) \
+            else None
         if cache is None:
             return compiled, None
 
@@ -532,21 +532,22 @@ class StoredForward:
             run = Replayed(run)
 
         def bind(buffers: dict):  # use_inactive=False, check_full_update=False, user_managed=True: no copies
-            runner.update_constant_buffer({internal[f"model.{n}"]: t for n, t in buffers.items()}, False, False, True)
+            runner.update_constant_buffer({internal[f"{self.owner}.{n}"]: t for n, t in buffers.items()}, False,
+                                          False, True)
             if isinstance(run, Replayed):
                 run.reset()  # captured graphs hold the old cache's addresses
-        if self.features:
+        if self.tuple_out:
             return (lambda *args: tuple(run(*args))), bind
         return (lambda *args: run(*args)[0]), bind
 
     def export(self, example, length: int, tmp: Path):
-        """Export the model for these shapes, compile it with AOTInductor, keep its one shared library at tmp;
+        """Export the module for these shapes, compile it with AOTInductor, keep its one shared library at tmp;
         returns its operator table (the package's wrapper .json: what the runner needs to call custom operators
         that have no C entry point; ours have one, kernels.c_shims), or None."""
         tokens = torch.export.Dim("tokens", min=1, max=length)
+        dynamic = tuple({2 if a.dtype == torch.bool else 1: tokens} for a in example)  # the mask: [B, 1, T, S]
         with torch.no_grad():
-            program = torch.export.export(ExportedForward(self.model, self.features), example, strict=False,
-                                          dynamic_shapes=({1: tokens}, {1: tokens}, {1: tokens}, {2: tokens}))
+            program = torch.export.export(self.exported(), example, strict=False, dynamic_shapes=dynamic)
             package = Path(f"{tmp}.pt2")  # the packager wants its suffix
             try:
                 configs = dict(self.options)  # a copy: the packager adds to it
@@ -565,6 +566,120 @@ class StoredForward:
                 package.unlink(missing_ok=True)
 
 
+class StoredForward(StoredGraph):
+    """model(idx, input_pos, slots, mask) through stored graphs (StoredGraph): T is 1 for decode, the tree size for
+    verification, the prompt's length for prefill, so they share one graph per batch and cache size."""
+
+    def __init__(self, model: Transformer, device: str, mode: str, features: tuple = ()):
+        super().__init__(model, device, mode, model.checkpoint_path, model.args.n_layer)
+        self.model, self.features = model, tuple(features)
+        self.tuple_out = bool(self.features)
+        self.options = stored_options(model, mode, device)
+
+    def __call__(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                 block=None) -> Tensor:
+        model = self.model
+        if slots is None:
+            slots = input_pos
+        if mask is None:  # causal over slots, as Transformer.hidden_states makes it
+            cache_slots = torch.arange(model.max_seq_length, device=idx.device)
+            mask = cache_slots.view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
+        cache = model.layers[0].attention.kv_cache.k_cache
+        batch = idx.shape[0]
+        args = (idx.long(), input_pos.long(), slots.long(), mask.expand(batch, 1, idx.shape[1], cache.shape[2]))
+        return self.run(args, batch, cache)
+
+    def exported(self):
+        return ExportedForward(self.model, self.features)
+
+    def example(self, batch: int, length: int, tokens: int) -> tuple:
+        return example_inputs(batch, length, self.device, tokens)
+
+    def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
+        """Everything that changes the code generated for this model and shape (artifacts.py)."""
+        cache = self.model.layers[0].attention.kv_cache.k_cache
+        return dict(model_key_fields(self.model, self.device, self.mode),
+                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options,
+                    features=list(self.features))
+
+    def label(self, batch: int, cache_batch: int, length: int) -> str:
+        features = "-f" + ".".join(map(str, self.features)) if self.features else ""
+        return super().label(batch, cache_batch, length) + features
+
+    def compiled_in_process(self):
+        model = self.model
+        fn = functools.partial(model.forward_features, layers=self.features) if self.features else model
+        return torch.compile(fn, fullgraph=True, dynamic=True, **graph_options(model, self.device, "whole"))
+
+
+class ExportedHead(torch.nn.Module):
+    """A draft head's body (drafthead.DraftHead.body) with every argument explicit, as its stored graphs export it."""
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, embedded, hidden, input_pos, slots, mask):
+        return self.head.body(embedded, hidden, input_pos, slots, mask)
+
+
+class StoredHead(StoredGraph):
+    """A draft head's body(embedded, hidden, input_pos, slots, mask) through stored graphs (StoredGraph), kept beside
+    the head's weights: T is the entries caught up, one token of a chain or a tree's frontier."""
+    owner = "head"
+
+    def __init__(self, head: torch.nn.Module, device: str, mode: str):
+        super().__init__(head, device, mode, head.checkpoint_path, 1)
+        self.head = head
+        self.options = stored_options(head, mode, device)
+
+    def __call__(self, embedded: Tensor, hidden: Tensor, input_pos: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        cache = self.head.attention.kv_cache.k_cache
+        batch, tokens = hidden.shape[:2]
+        args = (embedded, hidden, input_pos.long(), slots.long(), mask.expand(batch, 1, tokens, cache.shape[2]))
+        return self.run(args, batch, cache)
+
+    def exported(self):
+        return ExportedHead(self.head)
+
+    def example(self, batch: int, length: int, tokens: int) -> tuple:
+        T, dim = min(tokens, length - 1), self.head.args.dim
+        dtype = self.head.norm.weight.dtype
+        pos = (torch.arange(T, device=self.device) + 1).expand(batch, T).contiguous()  # slot 0 is never written
+        cache_slots = torch.arange(length, device=self.device).view(1, 1, 1, -1)
+        mask = (cache_slots <= pos.view(batch, 1, T, 1)) & (cache_slots > 0)
+        features = torch.zeros(batch, T, dim, dtype=dtype, device=self.device)
+        return features, features.clone(), pos, pos.clone(), mask
+
+    def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
+        cache = self.head.attention.kv_cache.k_cache
+        return dict(model_key_fields(self.head, self.device, self.mode, TRACED_MODULES + ("drafthead",)),
+                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options)
+
+    def label(self, batch: int, cache_batch: int, length: int) -> str:
+        return f"head-b{batch}of{cache_batch}-s{length}"
+
+    def compiled_in_process(self):
+        return torch.compile(self.head.body, fullgraph=True, dynamic=True,
+                             **graph_options(self.head, self.device, "whole"))
+
+
+def compile_head(head: torch.nn.Module, device: str, mode: str = "auto"):
+    """A draft head (drafthead.DraftHead) compiled as its target's engine is (compile_engine's modes): its body one
+    stored graph per batch and cache size for "auto" / "autotune" (beside the head's weights, keyed by them), compiled
+    in this process, dynamic in the tokens, for "regional", "whole" and a head built in memory; eager for "none"."""
+    mode = resolve_mode(mode, device, getattr(head, "checkpoint_path", None) is not None)
+    if mode == "none":
+        head.compiled = None
+    elif mode.startswith("stored"):
+        head.compiled = StoredHead(head, device, mode)
+    else:
+        configure_compiler(device)
+        head.compiled = torch.compile(head.body, fullgraph=True, dynamic=True,
+                                      **graph_options(head, device, "autotune" if mode == "autotune" else "whole"))
+    return head
+
+
 def example_inputs(batch: int, length: int, device: str, tokens: int = 4):
     """Arguments of a stored graph's forward (idx, input_pos, slots, mask) for `tokens` tokens: what it is exported
     with (not 1 token: export would specialize the token count on it) and what a child process tries it on."""
@@ -581,25 +696,26 @@ def aoti_runner(library, device: str):
     return torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
 
 
-# a child process loads the library and runs one decode step and one 4-token call; exit 0 when both give finite
-# outputs of the right shapes
+# a child process loads the library and runs it on each saved list of example arguments (a one-token call, a
+# four-token call); exit 0 when all give finite outputs of the right batch and token count
 CHILD_CHECK = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch, decode, kernels
-library, device, batch, length = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+library, device, examples = sys.argv[2], sys.argv[3], torch.load(sys.argv[4], weights_only=True)
 if device == "cpu":
     kernels.a8_kernels()  # the operators a CPU graph may call
 runner = decode.aoti_runner(library, device)
 with torch.no_grad():
-    for tokens in (1, 4):
-        out = runner.run([a.contiguous() for a in decode.example_inputs(batch, length, device, tokens)])[0]
-        assert out.shape[:2] == (batch, min(tokens, length)) and bool(torch.isfinite(out).all()), "a wrong output"
+    for args in examples:
+        out = runner.run([a.to(device).contiguous() for a in args])[0]
+        assert out.shape[:2] == args[0].shape[:2] and bool(torch.isfinite(out).all()), "a wrong output"
 """
 
 
-def loads_in_child(library, table, device: str, batch: int, length: int, timeout: float = 600):
-    """Load and run a freshly built graph (its library and operator table's text, or None) in a child process first:
+def loads_in_child(library, table, device: str, examples: list, timeout: float = 600):
+    """Load and run a freshly built graph (its library and operator table's text, or None) in a child process first,
+    on each of `examples` (lists of its arguments):
     AOTInductor's loader crashed (a segmentation fault, which no exception handler catches) on a GPU measured
     (BENCHMARKS.md). Raises RuntimeError if it fails."""
     import subprocess
@@ -613,9 +729,11 @@ def loads_in_child(library, table, device: str, batch: int, length: int, timeout
             shutil.copyfile(library, linked)
         if table is not None:
             linked.with_suffix(".json").write_text(table)
+        arguments = Path(check) / "examples.pt"
+        torch.save([[a.cpu() for a in args] for args in examples], arguments)
         try:
             done = subprocess.run([sys.executable, "-c", CHILD_CHECK, str(Path(__file__).resolve().parent),
-                                   str(linked), device, str(batch), str(length)],
+                                   str(linked), device, str(arguments)],
                                   capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"loading it in a child process did not finish in {timeout:.0f} s") from None

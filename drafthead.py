@@ -139,6 +139,8 @@ class DraftHead(nn.Module):
         self.register_buffer("token_ids", torch.arange(args.draft_vocab_size))  # draft id -> target id
         self.embeddings: Optional[nn.Embedding] = None  # the target's (attach()): not the head's to store
         self.max_batch_size = self.max_seq_length = -1
+        self.compiled = None  # body() compiled or stored (decode.compile_head); None: eager
+        self.checkpoint_path, self.quantization = None, None  # its weights file and scheme (load_head)
 
     def attach(self, target: Transformer) -> "DraftHead":
         self.__dict__["embeddings"] = target.tok_embeddings  # a plain attribute: not in the head's state dict
@@ -168,7 +170,13 @@ class DraftHead(nn.Module):
         if mask is None:
             cache_slots = torch.arange(self.max_seq_length, device=tokens.device).view(1, 1, 1, -1)
             mask = (cache_slots <= slots.unsqueeze(1).unsqueeze(-1)) & (cache_slots > 0)  # [B, 1, T, S]
-        x = torch.cat([self.input_norm(self.embeddings(tokens).to(hidden.dtype)), self.hidden_norm(hidden)], -1)
+        embedded = self.embeddings(tokens).to(hidden.dtype)
+        return (self.compiled or self.body)(embedded, hidden, input_pos, slots, mask)
+
+    def body(self, embedded: Tensor, hidden: Tensor, input_pos: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        """forward() from the tokens' embeddings on: what decode.compile_head compiles (the target's embedding table
+        stays outside the head's graphs)."""
+        x = torch.cat([self.input_norm(embedded), self.hidden_norm(hidden)], -1)
         h = hidden + self.attention(x, self.rope_table[input_pos], mask, slots)
         return h + self.feed_forward(self.post_norm(h))
 
@@ -280,6 +288,7 @@ def load_head(path, target: Transformer, int8: bool = True) -> DraftHead:
     head = head.to(device=weight.device, dtype=dtype).attach(target).requires_grad_(False)
     if int8 and weight.device.type == "cpu":
         quantize_head(head)
+    head.checkpoint_path = weights  # what keys its stored graphs (decode.compile_head)
     return head
 
 
@@ -294,6 +303,7 @@ def quantize_head(head: DraftHead):
         layer.weight, layer.scales = quantize.quantize_int8(linear.weight.detach())
         parent, _, child = name.rpartition(".")
         setattr(head.get_submodule(parent) if parent else head, child, layer)
+    head.quantization = "int8"
     quantize.pack_for_device(head)  # the target's layout: w1 and w3 stacked, the CPU kernel's weight layout
 
 

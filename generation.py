@@ -22,8 +22,8 @@ from typing import Optional, Union
 
 import torch
 
-from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, \
-    sample, sdpa_context
+from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, compile_head, \
+    decode_n_tokens, sample, sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
 from model import ModelArgs, Transformer
@@ -366,7 +366,7 @@ class Generator:
                 raise UserError("a draft head does not run under tensor parallelism yet: drop `draft_head` or run one "
                                 "process")
             from drafthead import load_head
-            head = load_head(draft_head, model)
+            head = compile_head(load_head(draft_head, model), device, compile)
             target = compile_engine(model, device, compile, compile_prefill, features=head.args.target_layers)
             return cls(model, tokenizer, target, make_speculator(speculation, None, model.args.block_size, head))
         target = compile_engine(model, device, compile, compile_prefill)

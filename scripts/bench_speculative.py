@@ -124,7 +124,7 @@ def real_model(args):
     mode = "none" if args.no_compile else ("autotune" if args.autotune else "auto")
     target = generation.load_model(model_pth)
     eos = sorted(set(target.args.eos_token_ids) | set(tokenizer.eos_ids))  # --stop_at_eos: answers end there
-    head = load_head(head_dir, target)
+    head = decode.compile_head(load_head(head_dir, target), "cpu", mode)
     plain_engine = decode.compile_engine(target, "cpu", mode)
     head_engine = decode.compile_engine(target, "cpu", mode, features=head.args.target_layers)
     int4 = generation.load_model(benchlib.quantized_checkpoint(model_pth, "int4", 32))

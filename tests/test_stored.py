@@ -145,6 +145,25 @@ def test_every_key_component_changes_the_key(checkpoint, tmp_path, monkeypatch):
     assert key_for(checkpoint) != base
 
 
+def test_a_draft_heads_key_follows_its_weights_and_scheme(checkpoint, tmp_path):
+    """A head's stored graphs are keyed by the head's own weights file and scheme (and its target's width through
+    its config): another head of the same shape, or the same head in float32 instead of int8, is another key."""
+    from drafthead import load_head, save_head
+    from test_drafthead import random_head
+    model = generation.load_model(checkpoint)
+
+    def key(directory, int8=True):
+        head = load_head(directory, model, int8=int8)
+        head.setup_caches(1, 64)
+        return artifacts.key_of(decode.StoredHead(head, "cpu", "stored").key_fields(1, 1, 64))
+    save_head(random_head(model, 256, seed=6), tmp_path / "head")
+    base = key(tmp_path / "head")
+    assert key(tmp_path / "head") == base
+    assert key(tmp_path / "head", int8=False) != base
+    save_head(random_head(model, 256, seed=7), tmp_path / "head")
+    assert key(tmp_path / "head") != base
+
+
 def test_find_refuses_foreign_stale_and_truncated_packages(tmp_path, monkeypatch):
     """find() returns a package only with its key and this user's signature: one signed under another user's key
     (copied in with a checkpoint), one built for another key, one changed after signing are all refused."""
@@ -210,10 +229,10 @@ def test_speculative_decoding_on_stored_graphs_equals_plain(stored, tmp_path):
 
 
 @pytest.mark.slow
-def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path):
-    """The features graph a draft head reads (Engine.forward_features) and a model whose layers call the a8 custom
-    operators (through their C entry points, kernels.c_shims) are stored and loaded like any graph, and give eager
-    decoding's tokens."""
+def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path, capsys):
+    """The features graph a draft head reads (Engine.forward_features), the head's own graph (stored beside its
+    weights, loaded by the next run) and a model whose layers call the a8 custom operators (through their C entry
+    points, kernels.c_shims) are stored and loaded like any graph, and give eager decoding's tokens."""
     from drafthead import save_head
     from test_drafthead import random_head
     import quantize
@@ -221,11 +240,16 @@ def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path):
     prompt = [1, 5, 9, 2, 7, 5, 9, 2]
     plain = generation.Generator.build(checkpoint).generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0]
     save_head(random_head(generation.load_model(checkpoint), 256, seed=6), tmp_path / "head")
-    generator = generation.Generator.build(checkpoint, draft_head=tmp_path / "head", compile="auto",
-                                           speculation=generation.Speculation(3, 6))
-    assert generator.target.mode == "stored"
-    assert generator.generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0] == plain
+    for speculation in (generation.Speculation(3, 6), generation.Speculation(2)):  # a tree, then a chain
+        generator = generation.Generator.build(checkpoint, draft_head=tmp_path / "head", compile="auto",
+                                               speculation=speculation)
+        assert generator.target.mode == "stored"
+        capsys.readouterr()
+        rows, stats = generator.generate(prompt, 20, decode.Sampling(), stop_at_eos=False)
+        assert rows == plain and stats["drafted"] > 0
+        assert ("compiling the graph of" in capsys.readouterr().err) == (speculation.nodes == 6)  # built once
     assert list((checkpoint.parent / "compiled").glob("*-f*.so"))  # the features graph
+    assert len(list((tmp_path / "head" / "compiled").glob("head-b1of1-*.so"))) == 1  # the head's, beside it
     a8 = quantize.quantize_checkpoint(checkpoint, "int8-a8")
     eager = generation.Generator.build(a8).generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0]
     stored_a8 = generation.Generator.build(a8, compile="auto")
@@ -334,12 +358,13 @@ def test_a_built_graph_is_tried_in_a_child_process(stored):
     greedy(stored_engine(stored), n=2)  # built by an earlier test, or here
     library = next((stored.parent / "compiled").glob("*.so"))
     table = library.with_suffix(".json").read_text() if library.with_suffix(".json").exists() else None
-    decode.loads_in_child(library, table, "cpu", 1, 64)
+    examples = [decode.example_inputs(1, 64, "cpu", tokens) for tokens in (1, 4)]
+    decode.loads_in_child(library, table, "cpu", examples)
     broken = library.parent / "broken.so"
     broken.write_bytes(library.read_bytes()[:4096])
     try:
         with pytest.raises(RuntimeError, match="child process failed"):
-            decode.loads_in_child(broken, table, "cpu", 1, 64)
+            decode.loads_in_child(broken, table, "cpu", examples)
     finally:
         broken.unlink()
 
@@ -349,7 +374,7 @@ def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
     library = tmp_path / "graph.so"
     library.write_bytes(b"\0")
     with pytest.raises(RuntimeError, match="signal 11"):
-        decode.loads_in_child(library, None, "cuda", 1, 64)
+        decode.loads_in_child(library, None, "cuda", [decode.example_inputs(1, 64, "cpu", 1)])
     assert list(tmp_path.iterdir()) == [library]  # its check directory removed
 
 
