@@ -2,6 +2,7 @@
 
     python scripts/compile_model.py --checkpoint_path checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth \
         --draft_checkpoint_path checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int4.g32.pth --speculate_k 5
+    python scripts/compile_model.py --checkpoint_path .../model.pth --draft_head .../head   # the head's graphs too
 
 On CUDA (and for `--compile whole` / `regional`) the graphs compile in the process and what is stored is their
 kernels (decode.CompileCache), so later processes skip code generation, builds and autotuning.
@@ -23,16 +24,18 @@ from generation import Generator, Sampling, Speculation, check_engine_settings  
 
 
 def compile_model(checkpoint_path, draft_checkpoint_path=None, speculation=None, batch_size=1, max_tokens=(256, 512),
-                  mode="auto", device="cpu", precision=None):
+                  mode="auto", device="cpu", precision=None, draft_head=None):
     """Build (or load) the graphs of each cache length in max_tokens; returns one row per stored package built or
     found: path, bytes, and the seconds this run spent on it."""
     from decode import PRECISIONS
     dtype = PRECISIONS[precision or ("bf16" if device.startswith("cuda") else "fp32")]
     generator = Generator.build(checkpoint_path, device, dtype, draft_checkpoint_path, speculation, mode,
-                                batch_size=batch_size)
+                                batch_size=batch_size, draft_head=draft_head)
     if not generator.target.mode.startswith("stored") and generator.target.cache is None:
         raise UserError(f"`compile` {mode} stores nothing here ({generator.target.mode}): use auto or autotune")
-    models = [generator.model] + [getattr(getattr(generator.speculator, "drafter", None), "draft_model", None)]
+    drafter = getattr(generator.speculator, "drafter", None)
+    models = [(generator.model, Path(generator.model.checkpoint_path).stem),
+              (getattr(drafter, "draft_model", None), None), (getattr(drafter, "head", None), "head")]
     rows = []
     for tokens in sorted(set(max_tokens)):  # ascending: each length grows the caches (they never shrink)
         if tokens < 16 or tokens > generator.model.args.block_size:
@@ -43,8 +46,9 @@ def compile_model(checkpoint_path, draft_checkpoint_path=None, speculation=None,
         # a few tokens: every graph the configuration runs is called (speculative runs verify a few trees)
         generator.generate([1] * 4, max(2, min(24, tokens // 4)), Sampling(0.0), stop_at_eos=False,
                            batch_size=batch_size)
-        rows += [{"model": str(model.checkpoint_path), "batch": batch_size, "positions": model.max_seq_length,
-                  "seconds": round(time.perf_counter() - start, 1)} for model in models if model is not None]
+        rows += [{"model": str(model.checkpoint_path), "stem": stem or Path(model.checkpoint_path).stem,
+                  "batch": batch_size, "positions": model.max_seq_length,
+                  "seconds": round(time.perf_counter() - start, 1)} for model, stem in models if model is not None]
     return rows
 
 
@@ -55,6 +59,7 @@ def main():
     p.add_argument("--speculate_k", type=int, default=5)
     p.add_argument("--tree_nodes", type=int, default=None)
     p.add_argument("--draft_ngram", type=int, default=0, metavar="N")
+    p.add_argument("--draft_head", type=Path, default=None, help="a draft head's directory: its graphs too")
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--max_tokens", type=int, nargs="+", default=[256, 512],
                    help="cache lengths (prompt + new tokens) to build graphs for")
@@ -69,14 +74,14 @@ def main():
     speculation = Speculation(args.speculate_k, args.tree_nodes, args.draft_ngram)
     start = time.perf_counter()
     rows = compile_model(args.checkpoint_path, args.draft_checkpoint_path, speculation, args.batch_size,
-                         args.max_tokens, args.compile, args.device, args.precision)
+                         args.max_tokens, args.compile, args.device, args.precision, args.draft_head)
     print(f"{'model':60s} {'batch':>5s} {'positions':>9s} {'s':>7s} {'MB':>8s}")
     for row in rows:
         import artifacts
         directory = artifacts.directory_for(row["model"])
-        stem = f"{Path(row['model']).stem}-b{row['batch']}of{row['batch']}-s{row['positions']}-"
+        stem = f"{row['stem']}-b{row['batch']}of{row['batch']}-s{row['positions']}-"
         size = sum(p.stat().st_size for p in directory.glob(stem + "*.so"))
-        size += sum(p.stat().st_size for p in directory.glob(f"{Path(row['model']).stem}-kernels-*.bin"))
+        size += sum(p.stat().st_size for p in directory.glob(f"{row['stem']}-kernels-*.bin"))
         print(f"{row['model']:60s} {row['batch']:5d} {row['positions']:9d} {row['seconds']:7.1f} {size / 1e6:8.1f}")
     print(f"stored in {artifacts.directory_for(args.checkpoint_path)} ({time.perf_counter() - start:.0f} s in all)")
 

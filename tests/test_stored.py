@@ -1,6 +1,7 @@
 """Stored compiled graphs (decode.StoredForward, artifacts.py): the same tokens as eager and in-process compiled
 engines, loaded by a later engine without building, and never used when anything in their key changed, when they
 are truncated, or when someone else wrote them."""
+import importlib.util
 import json
 import os
 import shutil
@@ -250,6 +251,13 @@ def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path, capsys):
         assert ("compiling the graph of" in capsys.readouterr().err) == (speculation.nodes == 6)  # built once
     assert list((checkpoint.parent / "compiled").glob("*-f*.so"))  # the features graph
     assert len(list((tmp_path / "head" / "compiled").glob("head-b1of1-*.so"))) == 1  # the head's, beside it
+    spec = importlib.util.spec_from_file_location("compile_model", ROOT / "scripts" / "compile_model.py")
+    compile_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_model)
+    rows = compile_model.compile_model(checkpoint, speculation=generation.Speculation(2), max_tokens=(64,),
+                                       draft_head=tmp_path / "head")
+    assert "compiling the graph of" not in capsys.readouterr().err  # everything the configuration needs is there
+    assert [row["stem"] for row in rows] == [checkpoint.stem, "head"]
     a8 = quantize.quantize_checkpoint(checkpoint, "int8-a8")
     eager = generation.Generator.build(a8).generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0]
     stored_a8 = generation.Generator.build(a8, compile="auto")
