@@ -107,6 +107,35 @@ COPY_TEXT = ("The committee met on Tuesday to review the budget for the new libr
              "hire two more librarians before the end of the year.")
 
 
+def head_forward_costs(head, rows: list, turns: int = 30, calls: int = 20):
+    """One head forward of 1 and 3 tokens (a chain's depth; a catch-up) eager against its compiled body (stored
+    graphs with --compile), taking turns, best of `turns` turns of `calls` calls each."""
+    import time
+    head.setup_caches(1, 512)
+    compiled, dim = head.compiled, head.args.dim
+    configs = {}
+    for tokens in (1, 3):
+        positions = torch.arange(tokens).view(1, -1) + 100
+        args = (torch.randn(1, tokens, dim), torch.randint(0, 1000, (1, tokens)), positions)
+        for name, body in (("eager", None), ("compiled", compiled)):
+            configs[(name, tokens)] = (body, args)
+    best = dict.fromkeys(configs, float("inf"))
+    with torch.no_grad():
+        for turn in range(turns + 1):  # turn 0 warms up (loads or builds the graph)
+            for key, (body, args) in configs.items():
+                head.compiled = body
+                t = time.perf_counter()
+                for _ in range(calls):
+                    head(*args)
+                if turn:
+                    best[key] = min(best[key], (time.perf_counter() - t) / calls)
+    head.compiled = compiled
+    for (name, tokens), seconds in best.items():
+        rows.append({"task": "head forward", "config": f"{name}, {tokens} tokens", "impl": "ours",
+                     "ms": 1000 * seconds, "speedup": best[("eager", tokens)] / seconds})
+        print(f"  head forward {name}, {tokens} tokens: {1000 * seconds:.3f} ms", flush=True)
+
+
 def real_model(args):
     """SmolLM2-style rows: every configuration takes turns run by run (best of --repeats after a warm-up), greedy
     and sampled; tokens per target forward; predicted speedup = tokens per target forward * plain step seconds /
@@ -220,6 +249,8 @@ def real_model(args):
             "plain": (plain_engine, None), "head chain K=5": (head_engine, spec(5)),
             "head tree N=16 K=5": (head_engine, spec(5, 16)), "head auto": (head_engine, spec("auto", "auto"))},
             batch=4)
+    if "head_cost" in cells and head.compiled is not None:
+        head_forward_costs(head, rows)
     plain_step = {1: verify_seconds(1), 4: verify_seconds(1, 4)}
     for row in rows:
         if "draft_ms_per_step" in row and "auto" not in row["config"]:
@@ -241,7 +272,7 @@ def real_model(args):
             print(f"  llama.cpp {gguf.name}: {tps:.1f} tok/s", flush=True)
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp rows", flush=True)
-    columns = ["task", "temperature", "batch", "impl", "config", "tokens_per_sec", "speedup",
+    columns = ["task", "temperature", "batch", "impl", "config", "tokens_per_sec", "ms", "speedup",
                "tokens_per_target_forward", "mean_accepted", "plain_steps", "draft_ms_per_step", "predicted_speedup",
                "efficiency", "same_as_plain"]
     print()
@@ -282,8 +313,9 @@ def main(argv=None):
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--only", default="", help="comma-separated names of our configurations to run (default: all)")
     p.add_argument("--no_copy", action="store_true", help="skip the copy task")
-    p.add_argument("--cells", default="chat,copy,batch",
-                   help="--checkpoint_dir: which tables to run (chat questions, the copy task, a batch of 4)")
+    p.add_argument("--cells", default="chat,copy,batch,head_cost",
+                   help="--checkpoint_dir: which tables to run (chat questions, the copy task, a batch of 4, one "
+                        "head forward eager against compiled)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/speculative.json")
     args = p.parse_args(argv)
