@@ -418,7 +418,6 @@ class ExportedForward(torch.nn.Module):
         return self.model(idx, input_pos, slots, mask)
 
 
-
 class StoredGraph:
     """A module's forward through stored AOTInductor graphs: one per shape (batch, cache batch, cache length), dynamic
     in the number of tokens T (dim 1 of every input; dim 2 of the mask), built once and kept beside the checkpoint.
