@@ -2,7 +2,8 @@
   1. one-row products of SmolLM2-135M's matrix shapes: GB/s of weight bytes moved per call (fp32 F.linear on the
      column-major weight decode uses, weight-only int8 (`fastgen::int8_linear`, "int8 fp32-x" on the a8 layout) /
      int4 g32 on ATen's kernel, int8-a8 / int4-a8 g32), one shape at a time; and one decode step's products, the
-     151 distinct matrices in turn, so each starts cold in the cache as in decode;
+     121 distinct matrices in turn (w1 and w3 stacked, as decode runs them), so each starts cold in the cache as in
+     decode;
   2. greedy generate() tokens/s on the real model for fp32, int8, int8-a8, int4 g32, int4-a8 g32, eager and with
      regional compilation.
 
@@ -86,7 +87,7 @@ def bench_products(turns: int, seconds_per_call: float) -> list:
     return rows
 
 
-STEP = [(960, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30 + [(49152, 576)]  # wqkv wo w1 w3 w2, head
+STEP = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # wqkv wo w13 w2, head
 
 
 def operator_of(module):
@@ -103,7 +104,7 @@ def operator_of(module):
 
 
 def bench_step(turns: int) -> list:
-    """One decode step's products with distinct weights (SmolLM2's 151 matrices, 0.1-28 MB each, more than the last
+    """One decode step's products with distinct weights (SmolLM2's 121 matrices, 0.1-28 MB each, more than the last
     level cache together): each product starts cold, as in decode, unlike a loop over one matrix."""
     inputs = {k: torch.randn(1, k) for k in (576, 1536)}
     rows = []
@@ -175,7 +176,7 @@ def main(argv=None):
     print("\none-row products, GB/s of weights moved")
     benchlib.print_table(products, ["shape"] + [f"{n} GB/s" for n in names])
     result = {"machine": info, "products": products, "step": bench_step(max(3, args.turns // 3))}
-    print("\none decode step's products (151 distinct matrices, cold in the cache)")
+    print("\none decode step's products (121 distinct matrices, cold in the cache)")
     benchlib.print_table(result["step"], ["config", "ms per step", "MB", "GB/s"])
     if not args.skip_decode:
         result["decode"] = bench_decode(args.checkpoint_path, args.compile, args.new_tokens, args.repeats)
