@@ -40,7 +40,7 @@ PROMPTS = ["def main(", "Hello, my name is", "import os\nimport sys\n\nclass Par
 
 
 @pytest.mark.parametrize("k,nodes,mode", [(1, None, "none"), (4, None, "none"), (3, 10, "none"),
-                                         (3, None, "regional")])
+                                         pytest.param(3, None, "regional", marks=pytest.mark.slow)])  # compiles
 def test_greedy_identical_to_plain(random_target, head_dir, k, nodes, mode):
     plain = generation.Generator.build(random_target)
     head = generation.Generator.build(random_target, draft_head=head_dir, speculation=generation.Speculation(k, nodes),
