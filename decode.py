@@ -509,6 +509,8 @@ class StoredGraph:
         cannot be stored or loaded here; its kernels are kept as an in-process whole graph's are (CompileCache)."""
         configure_compiler(self.device)
         compiled = self.compiled_in_process()
+        # a model's kernels are kept (CompileCache keys them by the model's traced sources); a head's one layer
+        # compiles in seconds
         cache = CompileCache.for_model(self.module, self.device, "whole") if isinstance(self.module, Transformer) \
             else None
         if cache is None:
