@@ -169,6 +169,7 @@ def real_model(args):
         """configs: name -> (engine, speculator or None); timed in turns."""
         best = {name: [float("inf")] * len(prompts) for name in configs}
         last, draft_seconds, steps = {}, dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
+        timing = [False]  # the warm-up turn's drafts (a graph loaded or built at the first) are not counted
         for name, (_, speculator) in configs.items():  # time each drafter's draft() in the timed runs
             if speculator is not None:
                 drafter, real = speculator.drafter, speculator.drafter.draft
@@ -176,8 +177,9 @@ def real_model(args):
                 def timed(*a, name=name, real=real, **k):
                     t = time.perf_counter()
                     out = real(*a, **k)
-                    draft_seconds[name] += time.perf_counter() - t
-                    steps[name] += 1
+                    if timing[0]:
+                        draft_seconds[name] += time.perf_counter() - t
+                        steps[name] += 1
                     return out
                 drafter.draft = timed
         for i, ids in enumerate(prompts):
@@ -185,6 +187,7 @@ def real_model(args):
             if batch > 1 and len(rows_in) < batch:
                 break
             for turn in range(args.repeats + 1):
+                timing[0] = turn > 0
                 for name, (engine, speculator) in configs.items():
                     torch.manual_seed(turn)
                     if speculator is not None:  # no copying the last turn's answer to the same prompt
