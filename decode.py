@@ -430,6 +430,7 @@ class StoredGraph:
 
     def __init__(self, module: torch.nn.Module, device: str, mode: str, checkpoint_path, n_layer: int):
         self.module, self.device, self.mode, self.path, self.n_layer = module, device, mode, checkpoint_path, n_layer
+        self.options = stored_options(module, mode, device)
         self.graphs = {}  # (batch, cache batch, cache length) -> [run(*args), bind(cache tensors) or None, bound cache]
 
     def exported(self) -> torch.nn.Module:
@@ -575,7 +576,6 @@ class StoredForward(StoredGraph):
         super().__init__(model, device, mode, model.checkpoint_path, model.args.n_layer)
         self.model, self.features = model, tuple(features)
         self.tuple_out = bool(self.features)
-        self.options = stored_options(model, mode, device)
 
     def __call__(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                  block=None) -> Tensor:
@@ -632,7 +632,6 @@ class StoredHead(StoredGraph):
     def __init__(self, head: torch.nn.Module, device: str, mode: str):
         super().__init__(head, device, mode, head.checkpoint_path, 1)
         self.head = head
-        self.options = stored_options(head, mode, device)
 
     def __call__(self, embedded: Tensor, hidden: Tensor, input_pos: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
         cache = self.head.attention.kv_cache.k_cache
