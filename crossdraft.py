@@ -7,13 +7,16 @@ by their exact bytes (Tokenizer.token_bytes). Each step:
 Correctness never depends on 3, only acceptance does."""
 import functools
 import re
+import time
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from decode import Engine, Sampling, decode_one_token, logits_to_probs, sample_from, sdpa_context
 from errors import UserError
-from speculate import MAX_TREE_NODES, Stats, Tree, verify_step
+from speculate import MAX_TREE_NODES, AutoChoice, Stats, Tree, plain_step, plain_step_seconds, synchronize, \
+    verify_step
 
 LOOK_BEHIND = 4  # draft tokens re-encoded with newly accepted text
 CATCH_UP_STEPS = 2  # this few unread tokens: the one-token graph, cheaper than a forward
@@ -53,12 +56,16 @@ PROBE = "def main():\n    return x[1:] + 42  # The quick brown fox, naïve café
 
 
 class CrossTokenizerSpeculator:
-    """The generation loop with a draft of another tokenizer, one prompt at a time; stats count target tokens."""
+    """The generation loop with a draft of another tokenizer, one prompt at a time; stats count target tokens.
+    With `auto` (speculate.AutoChoice) each step drafts the number of tokens K (up to `depth`), or takes a plain
+    step, with the most expected tokens per second; its arms are (K, 2K): K draft tokens re-tokenize into up to 2K
+    target tokens, so a step's worth is measured in the target tokens it made, as a tree's is."""
     kind = "draft-cross-tokenizer"
 
-    def __init__(self, engine: Engine, draft_tokenizer, target_tokenizer, target_vocab_size: int, depth: int):
+    def __init__(self, engine: Engine, draft_tokenizer, target_tokenizer, target_vocab_size: int, depth: int,
+                 auto: Optional[AutoChoice] = None):
         draft_model = engine.model
-        self.engine, self.draft_model, self.depth = engine, draft_model, depth
+        self.engine, self.draft_model, self.depth, self.auto = engine, draft_model, depth, auto
         self.draft_vocab = Vocabulary(draft_tokenizer, draft_model.args.vocab_size)
         self.target_vocab = Vocabulary(target_tokenizer, target_vocab_size)
         # K draft tokens can re-tokenize into more target tokens
@@ -99,17 +106,35 @@ class CrossTokenizerSpeculator:
         stats.draft_forwards += self.start(prompt, target.model.max_seq_length)
         text = self.target_vocab.text(out)  # the text both sides follow
         self.sync(text)
+        auto = self.auto
+        if auto and (1, 1) not in auto.verify_seconds and len(out) < max_new_tokens:
+            auto.timed(auto.verify_seconds, (1, 1), plain_step_seconds(target, [prompt + out], [pos], sampling),
+                       warm=True)
         while len(out) < max_new_tokens and not (stop_at_eos and out[-1] in eos):
             last = len(out) == max_new_tokens - 1  # only the target's own token still fits
-            tree, forwards = self.draft(out[-1], 0 if last else self.nodes, sampling)
-            proposed = len(tree.tokens) - 1
-            if self.compiled:  # two verify shapes: K + 1 and 2K + 1
-                tree.pad_to((self.depth if proposed <= self.depth else self.nodes) + 1)
-            path, next_token = verify_chain(target, tree, pos, sampling)
-            stats.draft_forwards += forwards
+            arm = auto.choose(1) if auto and not last else (self.depth, self.nodes)
+            started = time.perf_counter()
+            if arm is None:  # the root alone, at plain decoding's cost; the draft catches up at its next step
+                tree = Tree.rooted_at(out[-1])
+                drafted = started
+                path, next_token = [], plain_step(target, [prompt + out], [pos], sampling)[0][0]
+                stats.plain_steps += 1
+            else:
+                tree, forwards = self.draft(out[-1], 0 if last else arm[0], sampling)
+                proposed = len(tree.tokens) - 1
+                if self.compiled:  # two verify shapes per depth: K + 1 and 2K + 1
+                    tree.pad_to((arm[0] if proposed <= arm[0] else arm[1]) + 1)
+                synchronize(target.model)
+                drafted = time.perf_counter()
+                path, next_token = verify_chain(target, tree, pos, sampling)
+                stats.draft_forwards += forwards
+                stats.accept_counts[len(path)] += 1
+                stats.drafted += proposed
+            if auto and not last:
+                synchronize(target.model)
+                auto.observe(arm, [tree], [path], drafted - started, time.perf_counter() - drafted, 1,
+                             width=len(tree.tokens))
             stats.target_forwards += 1
-            stats.accept_counts[len(path)] += 1
-            stats.drafted += proposed
             new = [tree.tokens[node] for node in path] + [next_token]
             pos += len(new)
             for t in new:
@@ -120,8 +145,10 @@ class CrossTokenizerSpeculator:
                     callback(torch.tensor([t]))
             text += self.target_vocab.text(new)
             self.sync(text)
+        if auto:
+            auto.finished()
         summary = stats.summary()
-        summary["speculate_k"] = self.depth  # draft tokens per step
+        summary["speculate_k"] = "auto" if auto else self.depth  # draft tokens per step
         return [out], summary
 
     def start(self, prompt: list, max_seq_length: int) -> int:
@@ -137,10 +164,12 @@ class CrossTokenizerSpeculator:
         self.generated, self.cached, self.pending = [], [], list(self.prompt)  # cached: ids the cache holds
         return 0
 
-    def draft(self, root: int, limit: int, sampling: Sampling):
-        """A chain of at most `limit` target tokens rooted at `root`, and the draft forwards it took."""
+    def draft(self, root: int, depth: int, sampling: Sampling):
+        """A chain rooted at `root` of the target tokens that `depth` draft tokens make (at most 2 * depth), and the
+        draft forwards it took."""
         tree = Tree.rooted_at(root)
-        if limit <= 0 or not self.pending or len(self.cached) + len(self.pending) + self.depth > self.capacity:
+        limit = min(2 * depth, MAX_TREE_NODES)
+        if limit <= 0 or not self.pending or len(self.cached) + len(self.pending) + depth > self.capacity:
             return tree, 0  # nothing to gain, or the draft's context is full
         forwards, device = 0, self.device
         catch_up = self.pending[:-1]  # accepted tokens the draft has not read
@@ -156,13 +185,13 @@ class CrossTokenizerSpeculator:
             forwards += 1
         token, drafted = self.pending[-1], []
         self.pending = []
-        if self.run_chain is not None:
+        if self.run_chain is not None and depth == self.depth:  # one graph of this depth (`auto`: step by step)
             drafted, proposals = self.draft_chain(token, sampling)
             forwards += self.depth
             for t, q_target in zip(drafted, proposals if sampling.temperature else []):
                 tree.add(self.to_target[t], len(tree.tokens) - 1, q_target)
         else:
-            for _ in range(self.depth):
+            for _ in range(depth):
                 drawn, q_target = self.step(token, sampling)
                 forwards += 1
                 token = int(drawn[0])

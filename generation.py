@@ -22,13 +22,14 @@ from typing import Optional, Union
 
 import torch
 
+import artifacts
 from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, compile_head, \
-    decode_n_tokens, sample, sdpa_context
+    decode_n_tokens, model_key_fields, sample, sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
 from model import ModelArgs, Transformer
-from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, Speculator, auto_arms, combine_stats, \
-    format_stats, non_finite_logits, same_vocabulary
+from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, Speculator, StoredCosts, auto_arms, \
+    combine_stats, format_stats, non_finite_logits, same_vocabulary
 from tokenizer import get_tokenizer
 
 
@@ -307,6 +308,24 @@ def make_speculator(speculation: Speculation, draft: Optional[Engine], max_seq_l
     return None
 
 
+def keep_timings(speculator, target: Engine, device: str, speculation: Speculation, drafter: dict):
+    """With `auto` and a target running stored graphs: the choice's timings kept beside those graphs
+    (speculate.StoredCosts), keyed by the target's graph key, the drafter's identity (`drafter`) and the settings;
+    the timings stored by an earlier run of the same configuration are loaded."""
+    auto = getattr(speculator, "auto", None)
+    if auto is None or not target.mode.startswith("stored"):
+        return
+    model = target.model
+    fields = {"target": model_key_fields(model, device, target.mode), "drafter": drafter,
+              "speculation": asdict(speculation)}
+    key = artifacts.key_of(fields)
+    name = f"auto-timings-{Path(model.checkpoint_path).stem}-{speculator.kind}-{key[:16]}.json"
+    auto.store = StoredCosts(artifacts.directory_for(model.checkpoint_path) / name, key)
+    costs = auto.store.load()
+    if costs is not None:
+        auto.seed(costs)
+
+
 def make_cross_speculator(speculation: Speculation, draft: Engine, draft_tokenizer, target_tokenizer,
                           target_vocab_size: int, batch_size: int = 1, several_prompts: bool = False):
     """The speculator for a draft whose tokenizer is not the target's; settings it cannot serve are refused."""
@@ -319,12 +338,14 @@ def make_cross_speculator(speculation: Speculation, draft: Engine, draft_tokeniz
     if batch_size > 1 or several_prompts:
         raise UserError("a draft with another tokenizer speculates one prompt at a time: drop `batch_size` and "
                         "`prompts_file`, or use a draft with the target's tokenizer")
-    if speculation.speculate_k == "auto" or speculation.tree_nodes not in (None, speculation.speculate_k) \
-            or speculation.draft_ngram:
-        raise UserError("a draft with another tokenizer drafts a chain of a fixed depth: give `speculate_k` N and "
-                        "drop `tree_nodes`, `draft_ngram` and 'auto'")
+    if speculation.tree_nodes not in (None, speculation.speculate_k) or speculation.draft_ngram:
+        raise UserError("a draft with another tokenizer drafts chains: give `speculate_k` N or auto and drop "
+                        "`tree_nodes` and `draft_ngram`")
+    auto = None
+    if speculation.speculate_k == "auto":  # K draft tokens make up to 2K target tokens (crossdraft)
+        auto = AutoChoice([(k, min(2 * k, MAX_TREE_NODES)) for k in range(1, speculation.depth + 1)])
     speculator = crossdraft.CrossTokenizerSpeculator(draft, draft_tokenizer, target_tokenizer, target_vocab_size,
-                                                     speculation.speculate_k)
+                                                     speculation.depth, auto)
     for name, vocab in (("draft", speculator.draft_vocab), ("target", speculator.target_vocab)):
         if not vocab.round_trips(crossdraft.PROBE):
             raise UserError(f"cannot map the {name}'s tokens to text ({vocab.tokenizer.directory}: its pieces are "
@@ -368,18 +389,26 @@ class Generator:
             from drafthead import load_head
             head = compile_head(load_head(draft_head, model), device, compile)
             target = compile_engine(model, device, compile, compile_prefill, features=head.args.target_layers)
-            return cls(model, tokenizer, target, make_speculator(speculation, None, model.args.block_size, head))
+            speculator = make_speculator(speculation, None, model.args.block_size, head)
+            keep_timings(speculator, target, device, speculation, {"head": artifacts.file_identity(head.checkpoint_path),
+                                                                   "scheme": head.quantization})
+            return cls(model, tokenizer, target, speculator)
         target = compile_engine(model, device, compile, compile_prefill)
         if draft_checkpoint_path is None:
-            return cls(model, tokenizer, target, make_speculator(speculation, None, model.args.block_size))
+            speculator = make_speculator(speculation, None, model.args.block_size)
+            keep_timings(speculator, target, device, speculation, {})
+            return cls(model, tokenizer, target, speculator)
         draft_model = load_model(draft_checkpoint_path, device, precision)
         draft_tokenizer = get_tokenizer(Path(draft_checkpoint_path).parent)
         draft = compile_engine(draft_model, device, compile, compile_prefill)
         if same_vocabulary(tokenizer, draft_tokenizer, model.args.vocab_size, draft_model.args.vocab_size):
-            return cls(model, tokenizer, target, make_speculator(speculation, draft, model.args.block_size))
-        return cls(model, tokenizer, target, make_cross_speculator(speculation, draft, draft_tokenizer, tokenizer,
-                                                                   model.args.vocab_size, batch_size,
-                                                                   several_prompts))
+            speculator = make_speculator(speculation, draft, model.args.block_size)
+            keep_timings(speculator, target, device, speculation, model_key_fields(draft_model, device, draft.mode))
+            return cls(model, tokenizer, target, speculator)
+        speculator = make_cross_speculator(speculation, draft, draft_tokenizer, tokenizer, model.args.vocab_size,
+                                           batch_size, several_prompts)
+        keep_timings(speculator, target, device, speculation, model_key_fields(draft_model, device, draft.mode))
+        return cls(model, tokenizer, target, speculator)
 
     @property
     def lookahead(self) -> int:

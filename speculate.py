@@ -8,15 +8,18 @@ speculate_k) is the tree with one child per node; every Drafter (the n-gram look
 draftmodel.py) feeds the same verifier. A draft with another tokenizer has a loop of its own (crossdraft.py).
 """
 import collections
+import json
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
 
 from decode import Engine, Sampling, chosen_is_finite, logits_to_probs, sample, sample_from, sdpa_context
-from errors import UserError
+from errors import UserError, write_atomically
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
 
@@ -299,6 +302,8 @@ class AutoChoice:
       linearly from measured ones (plain decoding is width 1, timed once before the first step);
     - draft seconds per arm: timed when it runs; an unmeasured arm costs its depth times the measured seconds per
       depth of arms of its kind (chain or tree), zero if none ran yet (so it gets tried);
+    - both tables kept between runs where the target runs stored graphs (StoredCosts, beside them): a later run of
+      the same configuration starts from the last one's timings, and goes on timing;
     - a first timing counts as no timing until a second replaces it: a first call can pay one-time costs (a stored
       graph loaded, a new width's first run), and an arm priced by one would never run again to correct it;
     - E(K, chain) = 1 + sum_i prod_{d <= i} a_d from each depth's acceptance rate a_d (decaying counts over the
@@ -326,6 +331,23 @@ class AutoChoice:
         self.first = set()  # (table id, key) timed once only: not used yet
         self.plain_streak, self.explore_every = 0, self.EXPLORE_EVERY
         self.decision = None  # (batch, best arm, plain wins), kept while only plain steps are observed
+        self.store = None  # a StoredCosts: where the timings are kept for the next run
+
+    def costs(self) -> dict:
+        """The timings in use (StoredCosts keeps them): verify [[batch, width, s]], draft [[K, N, s]]."""
+        return {"verify": [[b, w, t] for (b, w), t in sorted(self.measured(self.verify_seconds).items())],
+                "draft": [[k, n, t] for (k, n), t in sorted(self.measured(self.draft_seconds).items())]}
+
+    def seed(self, costs: dict):
+        """Timings an earlier run stored, used at once; this run's own timings update them (EMA)."""
+        self.verify_seconds.update({(b, w): t for b, w, t in costs["verify"]})
+        self.draft_seconds.update({(k, n): t for k, n, t in costs["draft"] if (k, n) in self.arms})
+        self.decision = None
+
+    def finished(self):
+        """A generation ended: keep the timings for the next run (StoredCosts)."""
+        if self.store is not None:
+            self.store.save(self.costs())
 
     def expected(self, arm) -> float:
         """Expected tokens per row and step."""
@@ -398,9 +420,12 @@ class AutoChoice:
         else:
             table[key] = (1 - self.EMA) * old + self.EMA * seconds
 
-    def observe(self, arm, trees: list, paths: list, draft_seconds: float, verify_seconds: float, batch: int):
-        """A step of `arm` (None: plain): its timings and, per live row, the tree and accepted path."""
-        self.timed(self.verify_seconds, (batch, 1 if arm is None else arm[1] + 1), verify_seconds)
+    def observe(self, arm, trees: list, paths: list, draft_seconds: float, verify_seconds: float, batch: int,
+                width: Optional[int] = None):
+        """A step of `arm` (None: plain): its timings and, per live row, the tree and accepted path; width: the
+        tokens verified, where they are not the arm's N + 1 (a draft of another tokenizer)."""
+        width = width or (1 if arm is None else arm[1] + 1)
+        self.timed(self.verify_seconds, (batch, width), verify_seconds)
         if arm is None:  # the decision stands (the plain step's seconds drift slowly) but every 16 plain steps
             if self.plain_streak % 16 == 0:
                 self.decision = None
@@ -421,6 +446,53 @@ class AutoChoice:
             for _, path in live:
                 made, steps = made * self.DECAY + len(path) + 1, steps * self.DECAY + 1
             self.tree_tokens[arm] = (made, steps)
+
+
+class StoredCosts:
+    """AutoChoice's timings for one configuration (the target's stored graph, the drafter, the speculation settings,
+    this machine and thread count: `key`), in a small JSON file beside the target's stored graphs, so that a run
+    chooses from its first step as the last run ended instead of exploring again (Sequoia's tree optimizer, Chen et
+    al. 2024, also measures the hardware once). Timings only steer the choice, which is lossless whatever they say: a
+    damaged or foreign file is ignored with one line and replaced."""
+    SAVE_EVERY = 30.0  # seconds between writes while the same keys are timed (a server finishes many generations)
+
+    def __init__(self, path, key: str):
+        self.path, self.key = Path(path), key
+        self.saved, self.saved_at = None, 0.0  # the keys last written and when
+        self.writable = True
+
+    def load(self) -> Optional[dict]:
+        """The stored timings ({"verify": [(batch, width, s)], "draft": [(K, N, s)]}), or None."""
+        if not self.path.exists():
+            return None
+        why, costs = "it is unreadable", None
+        try:
+            data = json.loads(self.path.read_text())
+            if isinstance(data, dict) and data.get("key") != self.key:
+                why = "it was stored for another configuration"
+            else:
+                costs = {name: [(int(a), int(b), float(t)) for a, b, t in data[name]] for name in ("verify", "draft")}
+                if not all(a >= 1 and b >= 1 and 0 < t < 3600 for rows in costs.values() for a, b, t in rows):
+                    why, costs = "it holds timings that cannot be", None
+        except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError):
+            pass
+        if costs is None:
+            print(f"ignoring the stored timings {self.path}: {why}; timing again", file=sys.stderr)
+        return costs
+
+    def save(self, costs: dict):
+        keys = [(name, *row[:2]) for name, rows in costs.items() for row in rows]
+        if not self.writable or not keys or (keys == self.saved and time.monotonic() - self.saved_at < self.SAVE_EVERY):
+            return
+        text = json.dumps({"key": self.key, **costs}, indent=1)
+        try:
+            write_atomically(self.path, lambda tmp: tmp.write_text(text))
+        except OSError as e:  # a full or read-only disk: this run keeps its timings in memory
+            print(f"could not keep the timings in {self.path} ({e.strerror or e}); going on without",
+                  file=sys.stderr)
+            self.writable = False
+            return
+        self.saved, self.saved_at = keys, time.monotonic()
 
 
 def auto_arms(depth: int, tree_nodes: Optional[int], auto_depth: bool, auto_nodes: bool, max_nodes: int) -> list:
@@ -523,6 +595,8 @@ class Speculator:
                     pos[b] += len(new)
                     contexts[b] += new
         drafter.finish(outs)
+        if auto:
+            auto.finished()
         return outs, stats.summary()
 
 

@@ -146,6 +146,52 @@ def test_auto_choice_uses_a_timing_once_a_second_replaces_the_first():
     assert auto.draft_cost((2, 2)) == pytest.approx(0.2)  # priced from the measured arm, not its first call
 
 
+def test_auto_choice_timings_are_kept_and_a_bad_file_is_ignored_with_one_line(tmp_path, capsys, monkeypatch):
+    """StoredCosts: an AutoChoice's trusted timings round-trip through the file and are used at once by the next
+    one; first timings are not kept; a file of another key, or with impossible or non-numeric timings, is ignored
+    with one line; an unchanged set of timings is not rewritten at every generation; an unwritable place is one
+    line, never an exception."""
+    path = tmp_path / "compiled" / "auto-timings.json"
+    auto = speculate.AutoChoice([(1, 1), (2, 2)])
+    auto.store = speculate.StoredCosts(path, "k1")
+    auto.timed(auto.verify_seconds, (1, 1), 0.5, warm=True)
+    auto.timed(auto.verify_seconds, (1, 3), 9.0)  # a first timing: not trusted, not kept
+    auto.timed(auto.draft_seconds, (2, 2), 0.25, warm=True)
+    auto.finished()
+    stored = json.loads(path.read_text())
+    assert stored["verify"] == [[1, 1, 0.5]] and stored["draft"] == [[2, 2, 0.25]] and stored["key"] == "k1"
+    later = speculate.AutoChoice([(1, 1), (2, 2)])
+    later.store = speculate.StoredCosts(path, "k1")
+    later.seed(later.store.load())
+    assert later.verify_cost(1, 1) == 0.5 and later.draft_cost((2, 2)) == 0.25 and later.draft_cost((1, 1)) == 0.125
+    assert capsys.readouterr().err == ""
+    assert speculate.StoredCosts(path, "k2").load() is None  # another configuration's
+    assert capsys.readouterr().err.count("\n") == 1
+    for bad in ('{"key": "k1", "verify": [[1, 1, NaN]], "draft": []}', '{"key": "k1", "verify": [[1, 1, -1]], '
+                '"draft": []}', '{"key": "k1", "verify": [["a", 1, 1]]}', '[1, 2]', '{"key": "k1"', "\xff"):
+        path.write_text(bad)
+        assert speculate.StoredCosts(path, "k1").load() is None, bad
+        err = capsys.readouterr().err
+        assert err.startswith("ignoring the stored timings") and err.count("\n") == 1, err
+    store = speculate.StoredCosts(path, "k1")
+    writes = []
+    monkeypatch.setattr(speculate, "write_atomically", lambda p, fn: writes.append(p) or fn(p))
+    for _ in range(3):
+        store.save(auto.costs())
+    auto.timed(auto.verify_seconds, (1, 2), 0.6, warm=True)  # a new width: written at once
+    store.save(auto.costs())
+    assert len(writes) == 2 and json.loads(path.read_text())["verify"] == [[1, 1, 0.5], [1, 2, 0.6]]
+
+    def unwritable(p, fn):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(speculate, "write_atomically", unwritable)
+    store = speculate.StoredCosts(path, "k1")
+    store.save(auto.costs())
+    store.save(auto.costs())
+    err = capsys.readouterr().err
+    assert err.startswith("could not keep the timings") and err.count("\n") == 1
+
+
 def test_auto_choice_follows_measured_costs_and_acceptance():
     """AutoChoice picks plain steps where drafts are rejected, deep chains where they are accepted and verification
     is cheap, and in between the depth a brute-force computation of tokens per second picks."""

@@ -21,6 +21,7 @@ import torch
 import crossdraft
 import decode
 import generation
+import speculate
 import tokenizer
 from decode import Engine, Sampling, logits_to_probs
 from model import ModelArgs, Transformer
@@ -280,6 +281,24 @@ def test_compiled_catch_up_writes_what_an_eager_forward_writes(random_target, no
         torch.testing.assert_close(compiled.attention.kv_cache.k_cache[:, :, slots],
                                    eager.attention.kv_cache.k_cache[:, :, slots], atol=1e-5, rtol=1e-4)
 
+@pytest.mark.parametrize("draft", ["noisy", "byte-level"])
+def test_auto_depth_is_greedy_identical(random_target, request, draft, monkeypatch):
+    """--speculate_k auto with a draft of another tokenizer: each step's depth (or a plain step) is chosen by the
+    measured costs and acceptance; the tokens are plain decoding's, also when the choice is forced to plain steps
+    and every depth in turn, and at exact max-token boundaries."""
+    path = draft_path(draft, request)
+    for prompt in PROMPTS[:2]:
+        got = speculative(random_target, path, "auto", "--ignore_eos", prompt=prompt)
+        assert tokens(got) == plain_greedy(random_target, prompt)[:29], prompt
+        assert got["speculative"] == "draft-cross-tokenizer" and got["speculate_k"] == "auto"
+    picks = iter([None, (1, 2), (8, 16), None, (3, 6), (5, 10), None, (2, 4)] * 10)
+    monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: next(picks))
+    for n in (1, 2, 7, 29):
+        got = speculative(random_target, path, "auto", "--ignore_eos", n=n)
+        assert tokens(got) == plain_greedy(random_target)[:n]
+    assert got["plain_steps"] > 0 and sum(got["accept_counts"][1:]) + got["plain_steps"] < got["target_forwards"]
+
+
 def test_exactly_max_new_tokens(random_target, noisy_draft):
     want = plain_greedy(random_target)
     for n in (1, 2, 3, 4, 9, 10, 17):
@@ -356,8 +375,8 @@ def test_clear_errors(random_target, byte_level_draft, tmp_path):
     prompts.write_text("a\nb\n")
     assert "one prompt at a time" in error_of("--batch_size", "2")
     assert "one prompt at a time" in error_of("--prompts_file", prompts)
-    for flags in (["--tree_nodes", "8"], ["--draft_ngram", "3"], ["--speculate_k", "auto"]):
-        assert "fixed depth" in error_of(*flags)
+    for flags in (["--tree_nodes", "8"], ["--draft_ngram", "3"], ["--tree_nodes", "auto"]):
+        assert "drafts chains" in error_of(*flags)
 
 
 # ----------------------------------------------------------------------------- sampling is lossless
@@ -473,11 +492,19 @@ def exact_target(root: Path, sampling: Sampling):
     return p1, p1[:, None] * p2
 
 
-def speculative_draws(root: Path, sampling: Sampling, n: int, seed: int = 0):
+def speculative_draws(root: Path, sampling: Sampling, n: int, seed: int = 0, auto: bool = False):
+    """auto: each step's depth 1 or 2, or a plain step, chosen at random (from its own generator: a choice that
+    depends only on the past, as AutoChoice's does)."""
     target_tok, draft_tok, target, draft = tiny_pair(root)
     prompt = target_tok.encode_prompt(PROMPT_TEXT)
     (first,) = target_tok.encode_continuation(FIRST)
-    speculator = crossdraft.CrossTokenizerSpeculator(Engine(draft), draft_tok, target_tok, len(TARGET_PIECES), 2)
+    choice = None
+    if auto:
+        choice = speculate.AutoChoice([(1, 2), (2, 4)])
+        picks = random.Random(seed)
+        choice.choose = lambda batch: picks.choice([None, (1, 2), (2, 4)])
+    speculator = crossdraft.CrossTokenizerSpeculator(Engine(draft), draft_tok, target_tok, len(TARGET_PIECES), 2,
+                                                     choice)
     target.setup_caches(1, len(prompt) + 3 + speculator.lookahead + 1)
     target(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1))  # the prefill
     engine = Engine(target)
@@ -502,6 +529,7 @@ def unnormalized_proposal(q, in_both, shared_draft, shared_target, target_size):
 real_proposal = crossdraft.restrict_to_shared
 LOSSLESS_CASES = {"temperature 1": (Sampling(1.0), False, DRAWS),
                   "temperature 0.6, top-k, top-p": (Sampling(0.6, top_k=8, top_p=0.95), False, DRAWS),
+                  "auto: plain steps and depths 1 and 2 mixed": (Sampling(0.8), False, DRAWS),
                   # far from lossless: fewer draws reject it
                   "broken: q not renormalized over the intersection": (Sampling(1.0), True, 2_500)}
 
@@ -515,7 +543,7 @@ def test_sampling_is_lossless(case, monkeypatch, tmp_path_factory):
     assert target_tok.encode_continuation("ab ba aab") != [] and draft_tok.vocab_size != target_tok.vocab_size
     if broken:
         monkeypatch.setattr(crossdraft, "restrict_to_shared", unnormalized_proposal)
-    draws, accept_counts = speculative_draws(root, sampling, n)
+    draws, accept_counts = speculative_draws(root, sampling, n, auto=case.startswith("auto"))
     p1, joint = exact_target(root, sampling)
     size = len(p1)
     first, second = draws[:, 0], draws[:, 1]

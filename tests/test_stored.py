@@ -230,6 +230,43 @@ def test_speculative_decoding_on_stored_graphs_equals_plain(stored, tmp_path):
 
 
 @pytest.mark.slow
+def test_auto_keeps_its_timings_beside_the_stored_graphs(stored, monkeypatch, capsys):
+    """`auto` on stored graphs: the timings of a run are stored beside the graphs, keyed by the configuration; the
+    next run of the same configuration starts from them (it does not time a plain step first) and still gives plain
+    decoding's tokens; another configuration (here the n-gram's n) has its own; a damaged file is replaced."""
+    import speculate
+    prompt = [1, 5, 9, 2, 7, 5, 9, 2]
+    plain = generation.Generator.build(stored).generate(prompt, 24, decode.Sampling(), stop_at_eos=False)[0]
+    directory = artifacts.directory_for(stored)
+
+    def run(n):
+        speculation = generation.Speculation("auto", draft_ngram=n)
+        generator = generation.Generator.build(stored, speculation=speculation, compile="auto")
+        assert generator.target.mode == "stored"
+        rows, _ = generator.generate(prompt, 24, decode.Sampling(), stop_at_eos=False)
+        assert rows == plain
+        return generator.speculator.auto
+
+    first = run(2)
+    files = sorted(directory.glob("auto-timings-*.json"))
+    assert len(files) == 1 and first.store.path == files[0]
+    kept = json.loads(files[0].read_text())
+    assert [1, 1] in [row[:2] for row in kept["verify"]]  # plain decoding's step, timed before the first choice
+    monkeypatch.setattr(speculate, "plain_step_seconds", lambda *a, **k: pytest.fail("timed again"))
+    second = run(2)
+    assert second.store.path == files[0]
+    assert second.verify_cost(1, 1) > 0
+    monkeypatch.undo()
+    run(3)
+    assert len(list(directory.glob("auto-timings-*.json"))) == 2
+    files[0].write_text("{not json")
+    capsys.readouterr()
+    run(2)
+    assert "ignoring the stored timings" in capsys.readouterr().err
+    assert json.loads(files[0].read_text())["key"] == kept["key"]
+
+
+@pytest.mark.slow
 def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path, capsys):
     """The features graph a draft head reads (Engine.forward_features), the head's own graph (stored beside its
     weights, loaded by the next run) and a model whose layers call the a8 custom operators (through their C entry
