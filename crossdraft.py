@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, decode_one_token, logits_to_probs, sample_from, sdpa_context
+from decode import Engine, Sampling, decode_n_tokens, decode_one_token, logits_to_probs, sample_from, \
+    sdpa_context
 from errors import UserError
-from speculate import MAX_TREE_NODES, AutoChoice, Stats, Tree, plain_step, plain_step_seconds, synchronize, \
-    verify_step
+from speculate import MAX_TREE_NODES, AutoChoice, Stats, Tree, plain_step_seconds, synchronize, verify_step
 
 LOOK_BEHIND = 4  # draft tokens re-encoded with newly accepted text
 CATCH_UP_STEPS = 2  # this few unread tokens: the one-token graph, cheaper than a forward
@@ -57,9 +57,9 @@ PROBE = "def main():\n    return x[1:] + 42  # The quick brown fox, naïve café
 
 class CrossTokenizerSpeculator:
     """The generation loop with a draft of another tokenizer, one prompt at a time; stats count target tokens.
-    With `auto` (speculate.AutoChoice) each step drafts the number of tokens K (up to `depth`), or takes a plain
-    step, with the most expected tokens per second; its arms are (K, 2K): K draft tokens re-tokenize into up to 2K
-    target tokens, so a step's worth is measured in the target tokens it made, as a tree's is."""
+    With `auto` (speculate.AutoChoice) each step verifies a chain of K target tokens (up to `depth`; the draft drafts
+    K tokens, whose text gives at most K target tokens, or a plain step, with the most expected tokens per second:
+    measured in target tokens, a chain of any K tells the acceptance of every shorter one, as for other drafts."""
     kind = "draft-cross-tokenizer"
 
     def __init__(self, engine: Engine, draft_tokenizer, target_tokenizer, target_vocab_size: int, depth: int,
@@ -72,6 +72,7 @@ class CrossTokenizerSpeculator:
         self.nodes = min(2 * depth, MAX_TREE_NODES)
         self.lookahead = self.nodes + 2  # target cache slots a step may write past the accepted tokens
         self.compiled = engine.mode != "none"
+        self.caught_up = None  # draft(): when the draft had read the accepted text
         # the intersection I: draft id -> target id of the same bytes (the one the target encodes them as)
         target_of = {}
         for i, b in enumerate(self.target_vocab.bytes):
@@ -88,6 +89,9 @@ class CrossTokenizerSpeculator:
         # single graphs where the engine compiles whole, else step by step
         self.tli_step = engine.compile(tli_step) or functools.partial(tli_step, engine.forward)
         self.run_chain = engine.compile(cross_chain)
+
+    def forget(self):
+        """As Speculator.forget: nothing of an earlier generation's text is kept here (start() resets the draft)."""
 
     def generate(self, target: Engine, prompt, first: Tensor, max_new_tokens: int, sampling: Sampling,
                  eos_ids: list, stop_at_eos: bool, callback=None):
@@ -106,6 +110,7 @@ class CrossTokenizerSpeculator:
         stats.draft_forwards += self.start(prompt, target.model.max_seq_length)
         text = self.target_vocab.text(out)  # the text both sides follow
         self.sync(text)
+        synced, after_plain = len(text), False
         auto = self.auto
         if auto and (1, 1) not in auto.verify_seconds and len(out) < max_new_tokens:
             auto.timed(auto.verify_seconds, (1, 1), plain_step_seconds(target, [prompt + out], [pos], sampling),
@@ -114,15 +119,27 @@ class CrossTokenizerSpeculator:
             last = len(out) == max_new_tokens - 1  # only the target's own token still fits
             arm = auto.choose(1) if auto and not last else (self.depth, self.nodes)
             started = time.perf_counter()
-            if arm is None:  # the root alone, at plain decoding's cost; the draft catches up at its next step
+            steps = 1
+            if arm is None:  # plain steps, as many as the choice takes in a row, through plain decoding's own loop
+                steps = auto.plain_run(max_new_tokens - len(out))  # (the draft catches up at its next step)
                 tree = Tree.rooted_at(out[-1])
                 drafted = started
-                path, next_token = [], plain_step(target, [prompt + out], [pos], sampling)[0][0]
-                stats.plain_steps += 1
+                tokens = decode_n_tokens(target, torch.tensor([out[-1]], device=self.device), pos, steps, sampling,
+                                         eos_ids, stop_at_eos)
+                path, next_token, extra = [], int(tokens[0][0]), [int(t[0]) for t in tokens[1:]]
+                steps = len(tokens)
+                stats.plain_steps += steps
+                stats.target_forwards += steps - 1
             else:
-                tree, forwards = self.draft(out[-1], 0 if last else arm[0], sampling)
+                if synced < len(text):  # the draft follows the text accepted since its last step (plain steps
+                    self.sync(text)     # leave it be: correctness never depends on it)
+                    synced = len(text)
+                self.caught_up = None
+                tree, forwards = self.draft(out[-1], 0 if last else arm[0], sampling, arm[1])
+                if after_plain and self.caught_up is not None:  # reading the plain steps' tokens is the cost of
+                    started = self.caught_up                     # switching, not of this depth: not priced in it
                 proposed = len(tree.tokens) - 1
-                if self.compiled:  # two verify shapes per depth: K + 1 and 2K + 1
+                if self.compiled:  # at most two verify shapes per arm: K + 1 and N + 1
                     tree.pad_to((arm[0] if proposed <= arm[0] else arm[1]) + 1)
                 synchronize(target.model)
                 drafted = time.perf_counter()
@@ -133,9 +150,10 @@ class CrossTokenizerSpeculator:
             if auto and not last:
                 synchronize(target.model)
                 auto.observe(arm, [tree], [path], drafted - started, time.perf_counter() - drafted, 1,
-                             width=len(tree.tokens))
+                             width=len(tree.tokens), steps=steps)
             stats.target_forwards += 1
-            new = [tree.tokens[node] for node in path] + [next_token]
+            after_plain = arm is None
+            new = [tree.tokens[node] for node in path] + [next_token] + (extra if arm is None else [])
             pos += len(new)
             for t in new:
                 if len(out) >= max_new_tokens or (stop_at_eos and out[-1] in eos):
@@ -144,7 +162,6 @@ class CrossTokenizerSpeculator:
                 if callback:
                     callback(torch.tensor([t]))
             text += self.target_vocab.text(new)
-            self.sync(text)
         if auto:
             auto.finished()
         summary = stats.summary()
@@ -164,12 +181,11 @@ class CrossTokenizerSpeculator:
         self.generated, self.cached, self.pending = [], [], list(self.prompt)  # cached: ids the cache holds
         return 0
 
-    def draft(self, root: int, depth: int, sampling: Sampling):
-        """A chain rooted at `root` of the target tokens that `depth` draft tokens make (at most 2 * depth), and the
+    def draft(self, root: int, depth: int, sampling: Sampling, limit: int):
+        """A chain rooted at `root` of the target tokens (at most `limit`) that `depth` draft tokens make, and the
         draft forwards it took."""
         tree = Tree.rooted_at(root)
-        limit = min(2 * depth, MAX_TREE_NODES)
-        if limit <= 0 or not self.pending or len(self.cached) + len(self.pending) + depth > self.capacity:
+        if depth <= 0 or limit <= 0 or not self.pending or len(self.cached) + len(self.pending) + depth > self.capacity:
             return tree, 0  # nothing to gain, or the draft's context is full
         forwards, device = 0, self.device
         catch_up = self.pending[:-1]  # accepted tokens the draft has not read
@@ -185,6 +201,7 @@ class CrossTokenizerSpeculator:
             forwards += 1
         token, drafted = self.pending[-1], []
         self.pending = []
+        self.caught_up = time.perf_counter()  # when the draft had read the accepted text (`auto`)
         if self.run_chain is not None and depth == self.depth:  # one graph of this depth (`auto`: step by step)
             drafted, proposals = self.draft_chain(token, sampling)
             forwards += self.depth

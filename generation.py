@@ -342,8 +342,8 @@ def make_cross_speculator(speculation: Speculation, draft: Engine, draft_tokeniz
         raise UserError("a draft with another tokenizer drafts chains: give `speculate_k` N or auto and drop "
                         "`tree_nodes` and `draft_ngram`")
     auto = None
-    if speculation.speculate_k == "auto":  # K draft tokens make up to 2K target tokens (crossdraft)
-        auto = AutoChoice([(k, min(2 * k, MAX_TREE_NODES)) for k in range(1, speculation.depth + 1)])
+    if speculation.speculate_k == "auto":  # chains of K target tokens (crossdraft)
+        auto = AutoChoice([(k, k) for k in range(1, speculation.depth + 1)])
     speculator = crossdraft.CrossTokenizerSpeculator(draft, draft_tokenizer, target_tokenizer, target_vocab_size,
                                                      speculation.depth, auto)
     for name, vocab in (("draft", speculator.draft_vocab), ("target", speculator.target_vocab)):

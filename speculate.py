@@ -408,6 +408,14 @@ class AutoChoice:
         self.explore_every = self.EXPLORE_EVERY
         return best
 
+    def plain_run(self, limit: int) -> int:
+        """After choose() returned None: the plain steps in a row (at least 1, at most `limit`) the choice takes
+        before its next exploration, counted as taken. A loop that runs them together pays plain decoding's cost
+        per token, without its own work between tokens (crossdraft)."""
+        n = max(1, min(limit, self.explore_every - self.plain_streak + 1))
+        self.plain_streak += n - 1
+        return n
+
     def timed(self, table: dict, key, seconds: float, warm: bool = False):
         """A new timing of `key` (warm: taken after a first call, trusted at once)."""
         old, first = table.get(key), (id(table), key)
@@ -421,13 +429,14 @@ class AutoChoice:
             table[key] = (1 - self.EMA) * old + self.EMA * seconds
 
     def observe(self, arm, trees: list, paths: list, draft_seconds: float, verify_seconds: float, batch: int,
-                width: Optional[int] = None):
-        """A step of `arm` (None: plain): its timings and, per live row, the tree and accepted path; width: the
-        tokens verified, where they are not the arm's N + 1 (a draft of another tokenizer)."""
+                width: Optional[int] = None, steps: int = 1):
+        """A step of `arm` (None: plain; `steps` plain steps run together, plain_run): its timings and, per live
+        row, the tree and accepted path; width: the tokens verified, where they are not the arm's N + 1 (a draft of
+        another tokenizer)."""
         width = width or (1 if arm is None else arm[1] + 1)
-        self.timed(self.verify_seconds, (batch, width), verify_seconds)
+        self.timed(self.verify_seconds, (batch, width), verify_seconds / steps)
         if arm is None:  # the decision stands (the plain step's seconds drift slowly) but every 16 plain steps
-            if self.plain_streak % 16 == 0:
+            if self.plain_streak % 16 == 0 or steps > 1:
                 self.decision = None
             return
         self.decision = None

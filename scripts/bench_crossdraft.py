@@ -13,6 +13,7 @@ removed (so many strings split differently: "ing" becomes "i" "n" "g") and every
 tokenizer.json (Metaspace BPE), the embedding and output rows moved with their pieces; a draft that imitates
 the target, so its acceptance is an upper end of what a cross-tokenizer pair gets. Neither is a model of
 another family.
+Rows: plain decoding, the chain of depth --k and `--speculate_k auto` (the depth, or a plain step, chosen per step).
 Prompts: the opening lines of held-out standard-library files. Runs take turns (benchlib.time_interleaved).
 """
 import argparse
@@ -105,8 +106,9 @@ def main(argv=None):
     mode = "auto" if compile_ else "none"  # the target's and the draft's
     engine = decode.compile_engine(target, "cpu", mode)
     draft_engine = decode.compile_engine(draft, "cpu", mode)
-    speculator = generation.make_cross_speculator(generation.Speculation(args.k), draft_engine, draft_tok, target_tok,
-                                                  target.args.vocab_size, batch_size=1)
+    speculators = {f"cross-tokenizer chain K={k}": generation.make_cross_speculator(
+        generation.Speculation(k), draft_engine, draft_tok, target_tok, target.args.vocab_size, batch_size=1)
+        for k in (args.k, "auto")}
     hf = None
     if not args.no_transformers:
         hf = (benchlib.hf_model(target_pth.parent), benchlib.hf_model(draft_pth.parent),
@@ -114,8 +116,8 @@ def main(argv=None):
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         sampling = decode.Sampling(temperature, top_k=None)
-        results = benchlib.time_interleaved(engine, {"plain": None, f"cross-tokenizer chain K={args.k}": speculator},
-                                            prompts, args.new_tokens, sampling, args.repeats)
+        results = benchlib.time_interleaved(engine, {"plain": None, **speculators}, prompts, args.new_tokens,
+                                            sampling, args.repeats)
         base_tps, base_runs = results["plain"]
         for name, (tps, runs) in results.items():
             row = {"temperature": temperature, "impl": "ours", "config": name, "tokens_per_sec": tps,

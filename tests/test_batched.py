@@ -192,6 +192,26 @@ def test_auto_choice_timings_are_kept_and_a_bad_file_is_ignored_with_one_line(tm
     assert err.startswith("could not keep the timings") and err.count("\n") == 1
 
 
+def test_auto_choice_plain_run_takes_the_plain_steps_before_the_next_exploration():
+    """plain_run: where plain steps win, the steps up to the next exploration taken at once (at most the limit);
+    the step after them explores with the cheapest arm, as step-by-step plain choices would."""
+    auto = speculate.AutoChoice([(1, 1), (2, 2)])
+    auto.timed(auto.verify_seconds, (1, 1), 1.0, warm=True)
+    auto.timed(auto.verify_seconds, (1, 2), 5.0, warm=True)
+    auto.timed(auto.draft_seconds, (1, 1), 5.0, warm=True)
+    stepwise = [auto.choose(1) for _ in range(auto.EXPLORE_EVERY + 1)]
+    assert stepwise == [None] * auto.EXPLORE_EVERY + [(1, 1)]
+    auto = speculate.AutoChoice([(1, 1), (2, 2)])
+    auto.timed(auto.verify_seconds, (1, 1), 1.0, warm=True)
+    auto.timed(auto.verify_seconds, (1, 2), 5.0, warm=True)
+    auto.timed(auto.draft_seconds, (1, 1), 5.0, warm=True)
+    assert auto.choose(1) is None and auto.plain_run(3) == 3  # capped by the limit
+    assert auto.choose(1) is None and auto.plain_run(100) == auto.EXPLORE_EVERY - 3
+    assert auto.choose(1) == (1, 1)
+    auto.observe(None, [], [], 0.0, 8.0, 1, steps=8)  # eight plain steps' seconds: one step's cost is an eighth
+    assert auto.verify_cost(1, 1) == pytest.approx(0.8 * 1.0 + 0.2 * 1.0)
+
+
 def test_auto_choice_follows_measured_costs_and_acceptance():
     """AutoChoice picks plain steps where drafts are rejected, deep chains where they are accepted and verification
     is cheap, and in between the depth a brute-force computation of tokens per second picks."""

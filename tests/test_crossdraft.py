@@ -228,7 +228,7 @@ def test_chain_in_one_call_drafts_what_k_steps_draft(random_target, noisy_draft,
         for d in drafters:
             torch.manual_seed(0)
             d.start(prompt, 64)
-            trees.append(d.draft(prompt[-1], 8, sampling)[0])  # the prompt (one forward), then the chain
+            trees.append(d.draft(prompt[-1], 4, sampling, 8)[0])  # the prompt (one forward), then the chain
     (chain, steps), (a, b) = trees, drafters
     assert chain.tokens == steps.tokens and len(chain.tokens) > 1
     assert a.cached[: len(b.cached)] == b.cached  # the chain also fed what it drafted past a stop, if any
@@ -272,9 +272,9 @@ def test_compiled_catch_up_writes_what_an_eager_forward_writes(random_target, no
     with torch.no_grad():
         for d in drafters:
             d.start(prompt, 64)
-            d.draft(prompt[-1], 6, Sampling())  # the prompt (an eager forward), then a chain
+            d.draft(prompt[-1], 3, Sampling(), 6)  # the prompt (an eager forward), then a chain
             d.cached, d.pending = d.cached[: len(d.prompt)], list(new)  # rewound; accepted text to catch up on
-            chains.append(d.draft(prompt[-1], 6, Sampling())[0].tokens)
+            chains.append(d.draft(prompt[-1], 3, Sampling(), 6)[0].tokens)
     assert chains[0] == chains[1]
     slots = slice(len(drafters[0].prompt), len(drafters[0].prompt) + len(new) - 1)
     for compiled, eager in zip(*(d.draft_model.layers for d in drafters)):
