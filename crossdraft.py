@@ -61,6 +61,7 @@ class CrossTokenizerSpeculator:
     K tokens, whose text gives at most K target tokens, or a plain step, with the most expected tokens per second:
     measured in target tokens, a chain of any K tells the acceptance of every shorter one, as for other drafts."""
     kind = "draft-cross-tokenizer"
+    features = ()  # the target features it reads (none: as Speculator.features for a draft model)
 
     def __init__(self, engine: Engine, draft_tokenizer, target_tokenizer, target_vocab_size: int, depth: int,
                  auto: Optional[AutoChoice] = None):

@@ -20,6 +20,7 @@ import generation
 import serve
 from decode import Sampling
 from helpers import ROOT, copy_checkpoint, write_checkpoint
+from test_crossdraft import noisy_draft  # noqa: F401 (a fixture)
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -520,6 +521,23 @@ def test_a_lone_request_speculates_with_a_draft_head(random_target, library, tmp
         reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 48, "temperature": 0})[1]
         assert reply["choices"][0]["message"]["content"] == text
         assert running.scheduler.generator.speculator.kind.startswith("head")
+    finally:
+        running.stop()
+
+
+def test_a_lone_request_speculates_with_a_draft_of_another_tokenizer(random_target, noisy_draft, library):
+    """A draft of another tokenizer in the server (crossdraft), its depth chosen by `auto`: the lone request's
+    answer is the library's alone, token for token, greedy; a sampled request completes."""
+    running = Running(random_target, "--max_batch_size", 2, "--draft_checkpoint_path", noisy_draft,
+                      "--speculate_k", "auto")
+    try:
+        assert running.scheduler.generator.speculator.kind == "draft-cross-tokenizer"
+        messages = [{"role": "user", "content": "Say something long."}]
+        _, text = alone(library, library.tokenizer.chat_ids(messages), 48)
+        reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 48, "temperature": 0})[1]
+        assert reply["choices"][0]["message"]["content"] == text
+        sampled = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0.8})[1]
+        assert sampled["usage"]["completion_tokens"] == 20 or sampled["choices"][0]["finish_reason"] == "stop"
     finally:
         running.stop()
 
