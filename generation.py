@@ -308,15 +308,15 @@ def make_speculator(speculation: Speculation, draft: Optional[Engine], max_seq_l
     return None
 
 
-def keep_timings(speculator, target: Engine, device: str, speculation: Speculation, drafter: dict):
+def keep_timings(speculator, target: Engine, device: str, speculation: Speculation, drafter=dict):
     """With `auto` and a target running stored graphs: the choice's timings kept beside those graphs
-    (speculate.StoredCosts), keyed by the target's graph key, the drafter's identity (`drafter`) and the settings;
+    (speculate.StoredCosts), keyed by the target's graph key, the drafter's identity (`drafter()`) and the settings;
     the timings stored by an earlier run of the same configuration are loaded."""
     auto = getattr(speculator, "auto", None)
     if auto is None or not target.mode.startswith("stored"):
         return
     model = target.model
-    fields = {"target": model_key_fields(model, device, target.mode), "drafter": drafter,
+    fields = {"target": model_key_fields(model, device, target.mode), "drafter": drafter(),
               "speculation": asdict(speculation)}
     key = artifacts.key_of(fields)
     name = f"auto-timings-{Path(model.checkpoint_path).stem}-{speculator.kind}-{key[:16]}.json"
@@ -390,24 +390,25 @@ class Generator:
             head = compile_head(load_head(draft_head, model), device, compile)
             target = compile_engine(model, device, compile, compile_prefill, features=head.args.target_layers)
             speculator = make_speculator(speculation, None, model.args.block_size, head)
-            keep_timings(speculator, target, device, speculation, {"head": artifacts.file_identity(head.checkpoint_path),
-                                                                   "scheme": head.quantization})
+            keep_timings(speculator, target, device, speculation,
+                         lambda: {"head": artifacts.file_identity(head.checkpoint_path), "scheme": head.quantization})
             return cls(model, tokenizer, target, speculator)
         target = compile_engine(model, device, compile, compile_prefill)
         if draft_checkpoint_path is None:
             speculator = make_speculator(speculation, None, model.args.block_size)
-            keep_timings(speculator, target, device, speculation, {})
+            keep_timings(speculator, target, device, speculation)
             return cls(model, tokenizer, target, speculator)
         draft_model = load_model(draft_checkpoint_path, device, precision)
         draft_tokenizer = get_tokenizer(Path(draft_checkpoint_path).parent)
         draft = compile_engine(draft_model, device, compile, compile_prefill)
         if same_vocabulary(tokenizer, draft_tokenizer, model.args.vocab_size, draft_model.args.vocab_size):
             speculator = make_speculator(speculation, draft, model.args.block_size)
-            keep_timings(speculator, target, device, speculation, model_key_fields(draft_model, device, draft.mode))
+            keep_timings(speculator, target, device, speculation,
+                         lambda: model_key_fields(draft_model, device, draft.mode))
             return cls(model, tokenizer, target, speculator)
         speculator = make_cross_speculator(speculation, draft, draft_tokenizer, tokenizer, model.args.vocab_size,
                                            batch_size, several_prompts)
-        keep_timings(speculator, target, device, speculation, model_key_fields(draft_model, device, draft.mode))
+        keep_timings(speculator, target, device, speculation, lambda: model_key_fields(draft_model, device, draft.mode))
         return cls(model, tokenizer, target, speculator)
 
     @property

@@ -491,7 +491,8 @@ class StoredCosts:
 
     def save(self, costs: dict):
         keys = [(name, *row[:2]) for name, rows in costs.items() for row in rows]
-        if not self.writable or not keys or (keys == self.saved and time.monotonic() - self.saved_at < self.SAVE_EVERY):
+        recent = keys == self.saved and time.monotonic() - self.saved_at < self.SAVE_EVERY
+        if not self.writable or not keys or recent:
             return
         text = json.dumps({"key": self.key, **costs}, indent=1)
         try:
