@@ -281,6 +281,7 @@ def test_compiled_catch_up_writes_what_an_eager_forward_writes(random_target, no
         torch.testing.assert_close(compiled.attention.kv_cache.k_cache[:, :, slots],
                                    eager.attention.kv_cache.k_cache[:, :, slots], atol=1e-5, rtol=1e-4)
 
+
 @pytest.mark.parametrize("draft", ["noisy", "byte-level"])
 def test_auto_depth_is_greedy_identical(random_target, request, draft, monkeypatch):
     """--speculate_k auto with a draft of another tokenizer: each step's depth (or a plain step) is chosen by the
@@ -291,7 +292,7 @@ def test_auto_depth_is_greedy_identical(random_target, request, draft, monkeypat
         got = speculative(random_target, path, "auto", "--ignore_eos", prompt=prompt)
         assert tokens(got) == plain_greedy(random_target, prompt)[:29], prompt
         assert got["speculative"] == "draft-cross-tokenizer" and got["speculate_k"] == "auto"
-    picks = iter([None, (1, 2), (8, 16), None, (3, 6), (5, 10), None, (2, 4)] * 10)
+    picks = iter([None, (1, 1), (8, 8), None, (3, 3), (5, 5), None, (2, 2)] * 10)
     monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: next(picks))
     for n in (1, 2, 7, 29):
         got = speculative(random_target, path, "auto", "--ignore_eos", n=n)
@@ -500,9 +501,9 @@ def speculative_draws(root: Path, sampling: Sampling, n: int, seed: int = 0, aut
     (first,) = target_tok.encode_continuation(FIRST)
     choice = None
     if auto:
-        choice = speculate.AutoChoice([(1, 2), (2, 4)])
+        choice = speculate.AutoChoice([(1, 1), (2, 2)])
         picks = random.Random(seed)
-        choice.choose = lambda batch: picks.choice([None, (1, 2), (2, 4)])
+        choice.choose = lambda batch: picks.choice([None, (1, 1), (2, 2)])
     speculator = crossdraft.CrossTokenizerSpeculator(Engine(draft), draft_tok, target_tok, len(TARGET_PIECES), 2,
                                                      choice)
     target.setup_caches(1, len(prompt) + 3 + speculator.lookahead + 1)
