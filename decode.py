@@ -154,16 +154,20 @@ def graph_options(model: Transformer, device: str, mode: str) -> dict:
 
 def stored_options(model: Transformer, mode: str, device: str = "cpu") -> dict:
     """Inductor's settings for a stored graph. CPU: the weights frozen in, with the C++ GEMM templates for float
-    weights (every candidate timed for "stored-autotune"). CUDA: the kernels' binaries inside the library, so that
+    weights (every candidate timed for "stored-autotune"); quantized weights: inductor's own kernels single-threaded
+    (BENCHMARKS.md, "Integer kernels"). CUDA: the kernels' binaries inside the library, so that
     one file is signed and loaded (its weights are constants in it either way)."""
     if device.startswith("cuda"):
         return {"aot_inductor.embed_kernel_binary": True, **({"max_autotune": True} if mode == "stored-autotune"
                                                              else {})}
     options = {"freezing": True}
+    dtypes = {t.dtype for t in model.state_dict().values()}
     if mode == "stored-autotune":
         options["max_autotune"] = True
-    elif all(t.dtype in (torch.float32, torch.bfloat16) for t in model.state_dict().values()):
+    elif dtypes <= {torch.float32, torch.bfloat16}:
         options.update(CPP_GEMM_OPTIONS)
+    if dtypes & {torch.int8, torch.uint8}:  # every product an operator with threads of its own: inductor's kernels
+        options["cpp.threads"] = 1  # (norms, RoPE, a few tokens) run on one, their fork and barriers cost more
     return options
 
 
