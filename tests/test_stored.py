@@ -165,16 +165,6 @@ def test_a_draft_heads_key_follows_its_weights_and_scheme(checkpoint, tmp_path):
     assert key(tmp_path / "head") != base
 
 
-def test_a_quantized_models_graph_runs_inductors_kernels_on_one_thread(checkpoint):
-    """A quantized model's products are operators with threads of their own; inductor's kernels beside them (norms,
-    RoPE: a few tokens' worth) run on one thread. A float model keeps inductor's threads for its GEMM templates."""
-    import quantize
-    assert "cpp.threads" not in decode.stored_options(generation.load_model(checkpoint), "stored")
-    for mode in ("int8", "int4-a8"):
-        quantized = generation.load_model(quantize.quantize_checkpoint(checkpoint, mode, 32 if "4" in mode else None))
-        assert decode.stored_options(quantized, "stored")["cpp.threads"] == 1, mode
-
-
 def test_find_refuses_foreign_stale_and_truncated_packages(tmp_path, monkeypatch):
     """find() returns a package only with its key and this user's signature: one signed under another user's key
     (copied in with a checkpoint), one built for another key, one changed after signing are all refused."""
