@@ -118,7 +118,10 @@ class CrossTokenizerSpeculator:
                        warm=True)
         while len(out) < max_new_tokens and not (stop_at_eos and out[-1] in eos):
             last = len(out) == max_new_tokens - 1  # only the target's own token still fits
-            arm = auto.choose(1) if auto and not last else (self.depth, self.nodes)
+            if auto:  # the last token: a plain step (a root-only tree would be verified at a padded width)
+                arm = None if last else auto.choose(1)
+            else:
+                arm = (self.depth, self.nodes)
             started = time.perf_counter()
             steps = 1
             if arm is None:  # plain steps, as many as the choice takes in a row, through plain decoding's own loop
@@ -142,7 +145,8 @@ class CrossTokenizerSpeculator:
                 proposed = len(tree.tokens) - 1
                 if self.compiled:  # at most two verify shapes per arm: K + 1 and N + 1
                     tree.pad_to((arm[0] if proposed <= arm[0] else arm[1]) + 1)
-                synchronize(target.model)
+                if auto:  # the draft's own seconds (a sync on CUDA)
+                    synchronize(target.model)
                 drafted = time.perf_counter()
                 path, next_token = verify_chain(target, tree, pos, sampling)
                 stats.draft_forwards += forwards
