@@ -828,11 +828,17 @@ def compile_regions(model: Transformer, compile_prefill: bool, features: tuple =
     def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, sampling: Sampling):
         return head(model, model.hidden_states(x, input_pos, block=block), sampling)
 
+    prompt_block = compiled_region(run_block, True) if compile_prefill else None  # dynamic in the prompt's length
+
+    def forward_features(x: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None, mask: Optional[Tensor] = None):
+        # a prompt (no mask) runs as the prefill does: the static block would compile again for every prompt length
+        return model.forward_features(x, input_pos, slots, mask, features, block if mask is not None else prompt_block)
+
     engine = Engine(model, "regional", decode_one_token=unfrozen(decode_step),
                     forward=unfrozen(functools.partial(model, block=block)), features=features,
-                    forward_features=unfrozen(functools.partial(model.forward_features, layers=features, block=block)))
+                    forward_features=unfrozen(forward_features))
     if compile_prefill:
-        engine.prefill = unfrozen(functools.partial(prefill, block=compiled_region(run_block, True)))
+        engine.prefill = unfrozen(functools.partial(prefill, block=prompt_block))
     return engine
 
 

@@ -139,11 +139,13 @@ class DraftHead(nn.Module):
         self.register_buffer("token_ids", torch.arange(args.draft_vocab_size))  # draft id -> target id
         self.embeddings: Optional[nn.Embedding] = None  # the target's (attach()): not the head's to store
         self.max_batch_size = self.max_seq_length = -1
+        self.positions = 0
         self.compiled = None  # body() compiled or stored (decode.compile_head); None: eager
         self.checkpoint_path, self.quantization = None, None  # its weights file and scheme (load_head)
 
     def attach(self, target: Transformer) -> "DraftHead":
         self.__dict__["embeddings"] = target.tok_embeddings  # a plain attribute: not in the head's state dict
+        self.positions = target.args.block_size  # its RoPE table's length (longer if a cache asks for more)
         return self
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
@@ -152,8 +154,11 @@ class DraftHead(nn.Module):
         weight = self.norm.weight  # float even where the linear layers are int8
         self.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.args.n_local_heads,
                                           self.args.head_dim, weight.dtype).to(weight.device)
-        self.register_buffer("rope_table", precompute_rope(self.args, max_seq_length).to(weight.device),
-                             persistent=False)
+        table, positions = getattr(self, "rope_table", None), max(max_seq_length, self.positions)
+        if table is None or table.shape[0] < positions or table.device != weight.device:  # kept otherwise: a new
+            # table object makes a graph compiled in the process (its guards check the object) compile again
+            self.register_buffer("rope_table", precompute_rope(self.args, positions).to(weight.device),
+                                 persistent=False)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
 
     def fuse(self, features: Tensor) -> Tensor:
