@@ -18,7 +18,8 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, chosen_is_finite, logits_to_probs, sample, sample_from, sdpa_context
+from decode import Engine, Sampling, chosen_is_finite, decode_n_tokens, logits_to_probs, sample, sample_from, \
+    sdpa_context
 from errors import UserError, write_atomically
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -564,12 +565,33 @@ class Speculator:
         while any(live):
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
-            if arm is None:  # a plain step: the root alone (an empty accepted path), at plain decoding's cost
+            streamed = False
+            if arm is None and not self.features and all(live):
+                # plain steps, as many as the choice takes in a row, through plain decoding's own loop (no host
+                # work between tokens); the drafter hears of each as of a plain step (a draft model catches up later)
+                steps = auto.plain_run(min(max_new_tokens - len(out) for out in outs))
+                made = decode_n_tokens(target, torch.tensor([c[-1] for c in contexts], device=first.device), pos,
+                                       steps, sampling, eos_ids, stop_at_eos, callback)
+                synchronize(target.model)
+                seconds, streamed, steps = time.perf_counter() - started, callback is not None, len(made)
+                made = torch.stack(made, 1).tolist()  # [B, steps]
+                for i in range(steps):
+                    trees = [Tree.rooted_at(c[-1] if i == 0 else row[i - 1]) for c, row in zip(contexts, made)]
+                    drafter.accepted([[] for _ in trees], trees, pos)
+                auto.observe(None, trees, [[]] * batch, 0.0, seconds, batch, steps=steps)
+                stats.plain_steps += steps
+                stats.target_forwards += steps
+                news = made
+            elif arm is None:  # a plain step: the root alone (an empty accepted path), at plain decoding's cost
                 trees, forwards = [Tree.rooted_at(c[-1]) for c in contexts], 0
                 stats.plain_steps += 1
-                drafted = started
                 tokens, hidden = plain_step(target, contexts, pos, sampling, bool(self.features))
-                results = [([], token) if row_live else None for token, row_live in zip(tokens, live)]
+                drafter.accepted([[] if row_live else None for row_live in live], trees, pos, hidden)
+                if auto:
+                    synchronize(target.model)
+                    auto.observe(None, trees, [], 0.0, time.perf_counter() - started, batch)
+                stats.target_forwards += 1
+                news = [[token] if row_live else None for token, row_live in zip(tokens, live)]
             else:
                 trees, forwards = drafter.draft([c[-1] for c in contexts], pos, arm[0], contexts, sampling,
                                                 **({"nodes": arm[1]} if auto else {}))
@@ -579,24 +601,28 @@ class Speculator:
                 results = verify_step(target, [tree.pad_to(arm[1] + 1) for tree in trees], pos, sampling, live,
                                       bool(self.features))
                 results, hidden = results if self.features else (results, None)
-            paths = [result[0] if result else None for result in results]
-            drafter.accepted(paths, trees, pos, hidden)
-            if auto:
-                synchronize(target.model)
-                auto.observe(arm, trees, paths, drafted - started, time.perf_counter() - drafted, batch)
-            stats.draft_forwards += forwards
-            stats.target_forwards += 1
-            for b, result in enumerate(results):
-                if result is None:
-                    continue
-                path, next_token = result
-                if arm is not None:
+                paths = [result[0] if result else None for result in results]
+                drafter.accepted(paths, trees, pos, hidden)
+                if auto:
+                    synchronize(target.model)
+                    auto.observe(arm, trees, paths, drafted - started, time.perf_counter() - drafted, batch)
+                stats.draft_forwards += forwards
+                stats.target_forwards += 1
+                news = []
+                for b, result in enumerate(results):
+                    if result is None:
+                        news.append(None)
+                        continue
+                    path, next_token = result
                     stats.accept_counts[len(path)] += 1
                     stats.drafted += arm[0]
-                new = [trees[b].tokens[node] for node in path] + [next_token]
+                    news.append([trees[b].tokens[node] for node in path] + [next_token])
+            for b, new in enumerate(news):
+                if new is None or not live[b]:
+                    continue
                 for t in new:
                     outs[b].append(t)
-                    if callback:
+                    if callback and not streamed:
                         callback(torch.tensor([t]))
                     if finished(outs[b]):
                         live[b] = False

@@ -112,10 +112,55 @@ def test_auto_steps_of_any_size_or_plain_keep_every_row(random_target, near_draf
     assert stats["plain_steps"] >= 3 and sum(stats["accept_counts"]) >= 3
 
 
+@pytest.mark.parametrize("drafter", ["draft model", "n-gram"])
+def test_auto_plain_runs_go_through_plain_decoding(random_target, near_draft, drafter, monkeypatch):
+    """A drafter that reads no target features takes `auto`'s plain steps in runs through plain decoding's own loop
+    (decode_n_tokens), of any length between speculative steps; rows stop at EOS inside a run, a run never passes
+    max_new_tokens, rows that finished make the next plain steps single ones again; every row equals its prompt
+    decoded alone, the stats count one target forward per plain token, a stream hands on each token once."""
+    model = generation.load_model(random_target)
+    engine = decode.Engine(model)
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return decode.decode_one_token(*args, **kwargs)
+    engine = decode.Engine(model, decode_one_token=counted)
+    draft = decode.Engine(generation.load_model(near_draft)) if drafter == "draft model" else None
+    speculation = generation.Speculation("auto") if draft else generation.Speculation(3, "auto", 3)
+    plain = alone(decode.Engine(model), BATCH, 24)
+    eos = plain[2][9]  # row 2 meets it inside a run, others maybe too
+    for eos_ids in ([eos], []):
+        runs, chosen = [], []
+        arms, lengths = iter([None, (2, 2), None, None, (1, 1), None, (3, 3)] * 30), iter([4, 1, 7, 2, 5, 3] * 30)
+        monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: chosen.append(next(arms)) or chosen[-1])
+        monkeypatch.setattr(speculate.AutoChoice, "plain_run",
+                            lambda self, limit: runs.append((next(lengths), limit)) or min(runs[-1]))
+        speculator = generation.make_speculator(speculation, draft, model.args.block_size)
+        calls[0] = 0
+        got, stats = generation.generate(engine, [list(p) for p in BATCH], 24, decode.Sampling(), eos_ids,
+                                         speculator=speculator)
+        assert got == [generation.truncate_at_eos(row, set(eos_ids)) for row in plain]
+        assert stats["target_forwards"] == 1 + stats["plain_steps"] + sum(arm is not None for arm in chosen)
+        assert sum(stats["accept_counts"]) >= 3
+        # runs while every row is live, single plain steps (plain_step) once one has finished
+        assert 8 < calls[0] <= stats["plain_steps"] and (calls[0] < stats["plain_steps"] or not eos_ids)
+    streamed, runs = [], []
+    arms, lengths = iter([None, (2, 2), None] * 30), iter([30, 2] * 30)  # the first run cut at max_new_tokens
+    got, _ = generation.generate(engine, [list(BATCH[1])], 24, decode.Sampling(), [],
+                                 stop_at_eos=False, speculator=speculator, callback=lambda t: streamed.extend(t.tolist()))
+    assert got[0] == streamed == alone(decode.Engine(model), BATCH[1:2], 24)[0]
+    assert runs[0] == (30, 23)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_plain_step_inside_the_loop_stops_on_nan_logits(random_target, temperature, monkeypatch):
-    """A plain step inside the speculative loop looks only at the chosen token's logit or probability: NaN logits
-    (argmax picks a NaN; NaN makes every probability NaN) still end the run with the one NaN line."""
+@pytest.mark.parametrize("drafter", ["n-gram", "draft head"])
+def test_plain_steps_inside_the_loop_stop_on_nan_logits(random_target, temperature, drafter, monkeypatch):
+    """Plain steps inside the speculative loop end the run with the one NaN line when the logits go NaN: a plain
+    step (a drafter reading features) looks at the chosen token's logit or probability (argmax picks a NaN; NaN makes
+    every probability NaN) at once; a run through plain decoding's loop looks as plain decoding does (FiniteWatch,
+    every EOS_CHECK_EVERY tokens)."""
+    from test_drafthead import random_head
     model = generation.load_model(random_target)
     calls = [0]
 
@@ -123,12 +168,15 @@ def test_a_plain_step_inside_the_loop_stops_on_nan_logits(random_target, tempera
         calls[0] += 1
         return out * float("nan") if calls[0] > 3 else out
     model.layers[0].register_forward_hook(hook)
-    speculator = generation.make_speculator(generation.Speculation("auto", None, 2), None, model.args.block_size)
+    head = random_head(model, 300, seed=2) if drafter == "draft head" else None
+    engine = decode.Engine(model, features=head.args.target_layers if head else ())
+    speculator = generation.make_speculator(generation.Speculation("auto", None, 0 if head else 2), None,
+                                            model.args.block_size, head)
     monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: None)
     with pytest.raises(generation.UserError, match="NaN"):
-        generation.generate(decode.Engine(model), [list(p) for p in BATCH], 20, decode.Sampling(temperature), [],
+        generation.generate(engine, [list(p) for p in BATCH], 20, decode.Sampling(temperature), [],
                             stop_at_eos=False, speculator=speculator)
-    assert calls[0] == 4
+    assert calls[0] == (4 if head else 3 + decode.EOS_CHECK_EVERY)
 
 
 def test_auto_choice_uses_a_timing_once_a_second_replaces_the_first():
