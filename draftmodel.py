@@ -3,6 +3,7 @@ functions, and the acceptance table that ranks tree nodes. The loop and the veri
 import bisect
 import functools
 import math
+import time
 from typing import Optional
 
 import torch
@@ -259,6 +260,7 @@ class ModelDrafter:
         self.grow_tree = functools.partial(draft_tree, root, step) if root and self.width > 1 and not ngram else None
         self.table = AcceptanceTable(self.width)  # kept across the samples of one run
         self.pending = []  # per row: accepted tokens not yet in the draft's cache
+        self.caught_up = 0.0  # draft(): when it had read the tokens accepted since its last draft, if any
 
     @property
     def kind(self) -> str:
@@ -293,6 +295,7 @@ class ModelDrafter:
             x = torch.tensor([[context[i] for i in row] for context, row in zip(contexts, at)], device=device)
             self.engine.write_cache(x, torch.tensor(at, device=device))
             forwards += 1
+            self.caught_up = time.perf_counter()  # when the draft had read the accepted text (`auto`)
         # depth 1: each row's last pending token (or the one it holds there) and its root, under the causal mask
         if self.run_chain is not None and depth == self.depth:
             return self.draft_chain(roots, pos, contexts, sampling), forwards + depth

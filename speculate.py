@@ -562,6 +562,7 @@ class Speculator:
         if auto and any(live) and (batch, 1) not in auto.verify_seconds:
             auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, contexts, pos, sampling,
                                                                            bool(self.features)), warm=True)
+        after_plain = False
         while any(live):
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
@@ -598,6 +599,9 @@ class Speculator:
                 if auto:  # the draft's own seconds (on CUDA, a sync; otherwise draft and verification queue)
                     synchronize(target.model)
                 drafted = time.perf_counter()
+                caught_up = getattr(drafter, "caught_up", 0.0)
+                if after_plain and caught_up > started:  # reading the plain steps' tokens is the cost of switching,
+                    started = caught_up                    # not of this arm: not priced in it
                 results = verify_step(target, [tree.pad_to(arm[1] + 1) for tree in trees], pos, sampling, live,
                                       bool(self.features))
                 results, hidden = results if self.features else (results, None)
@@ -617,6 +621,7 @@ class Speculator:
                     stats.accept_counts[len(path)] += 1
                     stats.drafted += arm[0]
                     news.append([trees[b].tokens[node] for node in path] + [next_token])
+            after_plain = arm is None
             for b, new in enumerate(news):
                 if new is None or not live[b]:
                     continue

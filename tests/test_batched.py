@@ -1,6 +1,7 @@
 """Speculative decoding for a batch of different prompts (speculate.Speculator.generate at B > 1): every row
 keeps its own cache length, acceptance and stop, and equals its prompt decoded alone."""
 import json
+import time
 
 import pytest
 import torch
@@ -151,6 +152,37 @@ def test_auto_plain_runs_go_through_plain_decoding(random_target, near_draft, dr
                                  stop_at_eos=False, speculator=speculator, callback=lambda t: streamed.extend(t.tolist()))
     assert got[0] == streamed == alone(decode.Engine(model), BATCH[1:2], 24)[0]
     assert runs[0] == (30, 23)
+
+
+def test_a_draft_models_catch_up_after_plain_steps_is_not_priced_in_the_next_arm(random_target, near_draft,
+                                                                                  monkeypatch):
+    """After plain steps a draft model first reads the tokens they made (one forward): the cost of switching from
+    plain steps, paid once, not of the arm drafted next; priced in it, an arm tried after a long plain run would look
+    as slow as that run was long, and `auto` would stay plain."""
+    model = generation.load_model(random_target)
+    draft = decode.Engine(generation.load_model(near_draft))
+    slow_reads = []
+
+    def write_cache(x, input_pos):
+        if x.shape[1] > 1:  # a catch-up of several tokens
+            slow_reads.append(x.shape[1])
+            time.sleep(0.3)
+        return decode.Engine.write_cache(draft, x, input_pos)
+    monkeypatch.setattr(draft, "write_cache", write_cache)
+    arms, observed = iter([None] * 3 + [(2, 2)] * 40), []
+    monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: next(arms))
+    monkeypatch.setattr(speculate.AutoChoice, "plain_run", lambda self, limit: min(limit, 6))
+    observe = speculate.AutoChoice.observe
+    monkeypatch.setattr(speculate.AutoChoice, "observe", lambda self, arm, trees, paths, draft_seconds, *a, **k:
+                        observed.append((arm, draft_seconds)) or observe(self, arm, trees, paths, draft_seconds, *a, **k))
+    speculator = generation.make_speculator(generation.Speculation("auto"), draft, model.args.block_size)
+    got, _ = generation.generate(decode.Engine(model), [list(BATCH[1])], 30, decode.Sampling(), [], stop_at_eos=False,
+                                 speculator=speculator)
+    assert got == alone(decode.Engine(model), BATCH[1:2], 30)
+    assert slow_reads[0] == len(BATCH[1])  # the prompt (start: not timed), then the plain runs' 18 tokens but the
+    assert slow_reads[1] == 17             # current one, read at the first draft
+    first_arm = next(seconds for arm, seconds in observed if arm is not None)
+    assert first_arm < 0.3
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
