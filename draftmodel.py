@@ -268,15 +268,12 @@ class ModelDrafter:
         return "draft" if self.width == 1 else "tree"
 
     def start(self, prompts: list, max_seq_length: int, features=None) -> int:
-        device = self.draft_model.tok_embeddings.weight.device
         self.draft_model.setup_caches(len(prompts), max_seq_length)
-        T = max(len(p) for p in prompts)
-        x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # [B, T], right-padded
-        # the padding's slots are overwritten before any query sees them (decode.prefill)
-        self.engine.write_cache(x, torch.arange(T, device=device).expand(len(prompts), T))  # [B, T]
-        self.pending = [[] for _ in prompts]
+        # the prompts are read at the first draft, with the tokens of any plain steps before it (`auto`): a
+        # generation that never drafts never pays the draft's prefill
+        self.pending = [list(p) for p in prompts]
         self.lookups = [self.lookup.fresh() for _ in prompts] if self.lookup else []
-        return 1
+        return 0
 
     def finish(self, outs: list):
         if self.lookup:

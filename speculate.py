@@ -299,8 +299,9 @@ class AutoChoice:
     """`speculate_k auto` / `tree_nodes auto`: before every step, the depth K and tree size N (an "arm"), or plain
     decoding, with the most expected tokens per second, E(K, N) / (draft seconds(K, N) + verify seconds(N + 1)),
     from what this run measured (a hardware-aware choice, as Sequoia's tree optimizer, Chen et al. 2024):
-    - verify seconds per batch size and width: every verification is timed; an unmeasured width is interpolated
-      linearly from measured ones (plain decoding is width 1, timed once before the first step);
+    - verify seconds per batch size and width: every step is timed whole (its verification or plain steps and
+      their bookkeeping); an unmeasured width is interpolated linearly from measured ones, and no width costs more
+      than a wider one measured (plain decoding is width 1, timed once before the first step);
     - draft seconds per arm: timed when it runs; an unmeasured arm costs its depth times the measured seconds per
       depth of arms of its kind (chain or tree), zero if none ran yet (so it gets tried);
     - both tables kept between runs where the target runs stored graphs (StoredCosts, beside them): a later run of
@@ -367,12 +368,16 @@ class AutoChoice:
         return {key: t for key, t in table.items() if (id(table), key) not in self.first}
 
     def verify_cost(self, batch: int, width: int) -> float:
+        """Seconds of a step verifying `width` tokens per row: measured, interpolated, and never more than a wider
+        step measured (a timing taken in a slow moment, of a width no longer chosen, is never taken again to
+        correct it: a plain step priced above a width-2 verification would keep `auto` from ever stepping plainly)."""
         known = sorted((w, t) for (b, w), t in self.measured(self.verify_seconds).items() if b == batch)
         if not known:
             return 0.0
+        cap = min((t for w, t in known if w > width), default=float("inf"))
         exact = dict(known).get(width)
         if exact is not None:
-            return exact
+            return min(exact, cap)
         if len(known) == 1:  # one width measured: assume flat (bandwidth-bound) until another is
             return known[0][1]
         below = [kt for kt in known if kt[0] < width] or known[:1]
@@ -380,7 +385,7 @@ class AutoChoice:
         (w0, t0), (w1, t1) = below[-1], above[0]
         if w0 == w1:
             (w0, t0), (w1, t1) = known[-2], known[-1]
-        return max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), 0.0)
+        return min(max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), 0.0), cap)
 
     def draft_cost(self, arm) -> float:
         measured = self.measured(self.draft_seconds)
@@ -562,7 +567,7 @@ class Speculator:
         if auto and any(live) and (batch, 1) not in auto.verify_seconds:
             auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, contexts, pos, sampling,
                                                                            bool(self.features)), warm=True)
-        after_plain = False
+        after_plain = True  # (the first draft reads the prompt: a cost of switching too)
         while any(live):
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
@@ -573,24 +578,20 @@ class Speculator:
                 steps = auto.plain_run(min(max_new_tokens - len(out) for out in outs))
                 made = decode_n_tokens(target, torch.tensor([c[-1] for c in contexts], device=first.device), pos,
                                        steps, sampling, eos_ids, stop_at_eos, callback)
-                synchronize(target.model)
-                seconds, streamed, steps = time.perf_counter() - started, callback is not None, len(made)
+                streamed, steps = callback is not None, len(made)
                 made = torch.stack(made, 1).tolist()  # [B, steps]
                 for i in range(steps):
                     trees = [Tree.rooted_at(c[-1] if i == 0 else row[i - 1]) for c, row in zip(contexts, made)]
                     drafter.accepted([[] for _ in trees], trees, pos)
-                auto.observe(None, trees, [[]] * batch, 0.0, seconds, batch, steps=steps)
+                drafted, paths = started, []
                 stats.plain_steps += steps
                 stats.target_forwards += steps
                 news = made
             elif arm is None:  # a plain step: the root alone (an empty accepted path), at plain decoding's cost
-                trees, forwards = [Tree.rooted_at(c[-1]) for c in contexts], 0
+                trees, drafted, paths, steps = [Tree.rooted_at(c[-1]) for c in contexts], started, [], 1
                 stats.plain_steps += 1
                 tokens, hidden = plain_step(target, contexts, pos, sampling, bool(self.features))
                 drafter.accepted([[] if row_live else None for row_live in live], trees, pos, hidden)
-                if auto:
-                    synchronize(target.model)
-                    auto.observe(None, trees, [], 0.0, time.perf_counter() - started, batch)
                 stats.target_forwards += 1
                 news = [[token] if row_live else None for token, row_live in zip(tokens, live)]
             else:
@@ -607,9 +608,7 @@ class Speculator:
                 results, hidden = results if self.features else (results, None)
                 paths = [result[0] if result else None for result in results]
                 drafter.accepted(paths, trees, pos, hidden)
-                if auto:
-                    synchronize(target.model)
-                    auto.observe(arm, trees, paths, drafted - started, time.perf_counter() - drafted, batch)
+                steps = 1
                 stats.draft_forwards += forwards
                 stats.target_forwards += 1
                 news = []
@@ -635,6 +634,9 @@ class Speculator:
                 if live[b]:
                     pos[b] += len(new)
                     contexts[b] += new
+            if auto:  # the whole step, its bookkeeping included: what a step of this arm costs
+                synchronize(target.model)
+                auto.observe(arm, trees, paths, drafted - started, time.perf_counter() - drafted, batch, steps=steps)
         drafter.finish(outs)
         if auto:
             auto.finished()

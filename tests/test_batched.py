@@ -154,11 +154,25 @@ def test_auto_plain_runs_go_through_plain_decoding(random_target, near_draft, dr
     assert runs[0] == (30, 23)
 
 
+def test_a_generation_that_never_drafts_never_runs_the_draft_model(random_target, near_draft, monkeypatch):
+    model, draft_model = generation.load_model(random_target), generation.load_model(near_draft)
+    runs = []
+    draft_model.layers[0].register_forward_hook(lambda *_: runs.append(1))
+    monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: None)
+    speculator = generation.make_speculator(generation.Speculation("auto"), decode.Engine(draft_model),
+                                            model.args.block_size)
+    got, stats = generation.generate(decode.Engine(model), [list(p) for p in BATCH], 20, decode.Sampling(), [],
+                                     stop_at_eos=False, speculator=speculator)
+    assert got == alone(decode.Engine(model), BATCH, 20)
+    assert runs == [] and stats["draft_forwards"] == 0
+
+
 def test_a_draft_models_catch_up_after_plain_steps_is_not_priced_in_the_next_arm(random_target, near_draft,
                                                                                   monkeypatch):
-    """After plain steps a draft model first reads the tokens they made (one forward): the cost of switching from
-    plain steps, paid once, not of the arm drafted next; priced in it, an arm tried after a long plain run would look
-    as slow as that run was long, and `auto` would stay plain."""
+    """After plain steps a draft model first reads the tokens they made (one forward; at the first draft, the prompt
+    too: a generation that never drafts never runs the draft): the cost of switching from plain steps, paid once,
+    not of the arm drafted next; priced in it, an arm tried after a long plain run would look as slow as that run
+    was long, and `auto` would stay plain."""
     model = generation.load_model(random_target)
     draft = decode.Engine(generation.load_model(near_draft))
     slow_reads = []
@@ -179,8 +193,8 @@ def test_a_draft_models_catch_up_after_plain_steps_is_not_priced_in_the_next_arm
     got, _ = generation.generate(decode.Engine(model), [list(BATCH[1])], 30, decode.Sampling(), [], stop_at_eos=False,
                                  speculator=speculator)
     assert got == alone(decode.Engine(model), BATCH[1:2], 30)
-    assert slow_reads[0] == len(BATCH[1])  # the prompt (start: not timed), then the plain runs' 18 tokens but the
-    assert slow_reads[1] == 17             # current one, read at the first draft
+    # one forward at the first draft: the prompt and the plain runs' 18 tokens, all but the last (fed with the root)
+    assert slow_reads == [len(BATCH[1]) + 18 - 1]
     first_arm = next(seconds for arm, seconds in observed if arm is not None)
     assert first_arm < 0.3
 
@@ -224,6 +238,21 @@ def test_auto_choice_uses_a_timing_once_a_second_replaces_the_first():
     auto.timed(auto.draft_seconds, (1, 1), 0.2)
     auto.timed(auto.draft_seconds, (1, 1), 0.1)
     assert auto.draft_cost((2, 2)) == pytest.approx(0.2)  # priced from the measured arm, not its first call
+
+
+def test_auto_choice_prices_no_width_above_a_wider_one_measured():
+    """A plain step timed once in a slow moment (and never again, while drafts seem to win) costs at most what a
+    width-2 verification measured: `auto` can still find that plain steps win."""
+    auto = speculate.AutoChoice([(1, 1), (2, 2)])
+    auto.timed(auto.verify_seconds, (1, 1), 1.8, warm=True)  # the start's plain step, slow
+    auto.timed(auto.verify_seconds, (1, 2), 1.3, warm=True)
+    auto.timed(auto.verify_seconds, (1, 4), 2.0, warm=True)
+    assert auto.verify_cost(1, 1) == 1.3 and auto.verify_cost(1, 2) == 1.3
+    assert auto.verify_cost(1, 3) == pytest.approx(1.65) and auto.verify_cost(1, 4) == 2.0
+    auto.timed(auto.draft_seconds, (1, 1), 0.4, warm=True)
+    auto.timed(auto.draft_seconds, (2, 2), 0.8, warm=True)
+    auto.accepted[1:] = [0.2 * auto.reached[1], 0.1 * auto.reached[2]]  # drafts rarely accepted
+    assert auto.choose(1) is None  # 1 / 1.3 beats (1 + 0.2) / (0.4 + 1.3); priced at 1.8 it would not
 
 
 def test_auto_choice_timings_are_kept_and_a_bad_file_is_ignored_with_one_line(tmp_path, capsys, monkeypatch):
