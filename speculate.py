@@ -321,6 +321,7 @@ class AutoChoice:
     PRIOR_WEIGHT = 2.0
     DECAY = 0.98  # per observation: acceptance drifts with the text
     EMA = 0.2  # weight of a new timing
+    WIDER_SLACK = 1.1  # a width is priced at most this much above a wider one measured
 
     def __init__(self, arms: list):
         self.arms = arms  # [(K, N)]
@@ -368,13 +369,14 @@ class AutoChoice:
         return {key: t for key, t in table.items() if (id(table), key) not in self.first}
 
     def verify_cost(self, batch: int, width: int) -> float:
-        """Seconds of a step verifying `width` tokens per row: measured, interpolated, and never more than a wider
-        step measured (a timing taken in a slow moment, of a width no longer chosen, is never taken again to
-        correct it: a plain step priced above a width-2 verification would keep `auto` from ever stepping plainly)."""
+        """Seconds of a step verifying `width` tokens per row: measured, interpolated, and never clearly more than a
+        wider step measured (a timing taken in a slow moment, of a width no longer chosen, is never taken again to
+        correct it: a plain step priced above a width-2 verification would keep `auto` from ever stepping plainly;
+        within WIDER_SLACK the widths of a bandwidth-bound forward cost the same, and their timings stand)."""
         known = sorted((w, t) for (b, w), t in self.measured(self.verify_seconds).items() if b == batch)
         if not known:
             return 0.0
-        cap = min((t for w, t in known if w > width), default=float("inf"))
+        cap = self.WIDER_SLACK * min((t for w, t in known if w > width), default=float("inf"))
         exact = dict(known).get(width)
         if exact is not None:
             return min(exact, cap)
@@ -670,13 +672,15 @@ def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, fe
 
 def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False) -> float:
     """Seconds of one plain step of the whole batch (plain_step, which writes only the cache slots the next step
-    writes again with the same values). Timed on the second call (the first may compile the graph)."""
-    for _ in range(2):
+    writes again with the same values): the quickest of the calls after the first (which may compile the graph)."""
+    seconds = []
+    for _ in range(3):
         synchronize(target.model)
         started = time.perf_counter()
         plain_step(target, contexts, pos, sampling, features)
         synchronize(target.model)
-    return time.perf_counter() - started
+        seconds.append(time.perf_counter() - started)
+    return min(seconds[1:])
 
 
 # ----------------------------------------------------------------------------- n-gram lookup
