@@ -37,7 +37,7 @@ interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 
 from decode import COMPILE_MODES, PRECISIONS, Sampling, chosen_is_finite, logits_to_probs, sdpa_context  # noqa: E402
-from generation import Generator, Speculation  # noqa: E402
+from generation import FiniteWatch, Generator, Speculation  # noqa: E402
 
 log = logging.getLogger("serve")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -505,13 +505,16 @@ class Scheduler:
                 return fn(*args, **kwargs)
             return run
 
-        engine = dataclasses.replace(self.engine, forward=counted(self.engine.forward),
-                                     decode_one_token=counted(self.engine.decode_one_token),
+        # plain steps inside the loop run through plain decoding's (speculate.Speculator): each of their tokens is
+        # looked at for NaN before it is handed on, as batched decoding's are
+        watch = FiniteWatch(counted(self.engine.decode_one_token), self.engine.model)
+        engine = dataclasses.replace(self.engine, forward=counted(self.engine.forward), decode_one_token=watch,
                                      forward_features=self.engine.forward_features and
                                      counted(self.engine.forward_features))
         first, tokens_before, forwards_before = [True], r.spec_tokens, r.spec_forwards
 
         def on_token(token):
+            watch.check()
             if first[0]:  # the speculator repeats its starting token (already r's): not a new one
                 first[0] = False
                 return

@@ -300,8 +300,8 @@ class AutoChoice:
     decoding, with the most expected tokens per second, E(K, N) / (draft seconds(K, N) + verify seconds(N + 1)),
     from what this run measured (a hardware-aware choice, as Sequoia's tree optimizer, Chen et al. 2024):
     - verify seconds per batch size and width: every step is timed whole (its verification or plain steps and
-      their bookkeeping); an unmeasured width is interpolated linearly from measured ones, and no width costs more
-      than a wider one measured (plain decoding is width 1, timed once before the first step);
+      their bookkeeping); an unmeasured width is interpolated linearly from measured ones, and no width costs
+      clearly more than a wider one measured (plain decoding is width 1, timed once before the first step);
     - draft seconds per arm: timed when it runs; an unmeasured arm costs its depth times the measured seconds per
       depth of arms of its kind (chain or tree), zero if none ran yet (so it gets tried);
     - both tables kept between runs where the target runs stored graphs (StoredCosts, beside them): a later run of

@@ -507,6 +507,38 @@ def test_a_lone_request_speculates_and_stays_exact(random_target, near_draft, li
         running.stop()
 
 
+def test_a_lone_requests_plain_steps_run_as_plain_decoding_and_stop_on_nan(random_target, near_draft, library,
+                                                                            monkeypatch):
+    """Where `auto` steps plainly, the lone request's plain steps run through plain decoding's loop: the answer is
+    the library's alone; logits gone NaN fail the request with the one NaN line, before a broken token goes out."""
+    import speculate
+    monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: None)
+    running = Running(random_target, "--max_batch_size", 2, "--draft_checkpoint_path", near_draft,
+                      "--speculate_k", "auto")
+    try:
+        messages = [{"role": "user", "content": "Say something long."}]
+        _, text = alone(library, library.tokenizer.chat_ids(messages), 40)
+        reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 40, "temperature": 0})[1]
+        assert reply["choices"][0]["message"]["content"] == text
+        assert reply["fastgen"]["tokens_per_target_forward"] == 1.0
+        model = running.scheduler.engine.model
+        # NaN in plain decoding's steps only (the prefill and batched decoding stay finite)
+        inside, plain = [False], running.scheduler.engine.decode_one_token
+
+        def poisoned(*args, **kwargs):
+            inside[0] = True
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                inside[0] = False
+        running.scheduler.engine = dataclasses.replace(running.scheduler.engine, decode_one_token=poisoned)
+        model.layers[0].register_forward_hook(lambda _module, _inputs, out: out * float("nan") if inside[0] else out)
+        status, reply = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0})
+        assert status == 500 and "logits for a generated token are NaN" in reply["error"]["message"]
+    finally:
+        running.stop()
+
+
 def test_a_lone_request_speculates_with_a_draft_head(random_target, library, tmp_path):
     """--draft_head in the server: the lone request's context features come from one more target pass, and the
     answer is the library's alone, token for token, with `auto` choosing depths, tree sizes and plain steps."""
