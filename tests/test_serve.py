@@ -490,6 +490,15 @@ def near_draft(random_target, tmp_path_factory):
     return copy_checkpoint(random_target, tmp_path_factory.mktemp("serve_near"), noise=0.05, sharpen=4.0)
 
 
+def long_chat_answer(running, library, n):
+    """A greedy chat answer of n tokens from the server, checked against the library's alone; the reply."""
+    messages = [{"role": "user", "content": "Say something long."}]
+    _, text = alone(library, library.tokenizer.chat_ids(messages), n)
+    reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": n, "temperature": 0})[1]
+    assert reply["choices"][0]["message"]["content"] == text
+    return reply
+
+
 def test_a_lone_request_speculates_and_stays_exact(random_target, near_draft, library):
     running = Running(random_target, "--max_batch_size", 3, "--draft_checkpoint_path", near_draft,
                       "--speculate_k", 3)
@@ -516,10 +525,7 @@ def test_a_lone_requests_plain_steps_run_as_plain_decoding_and_stop_on_nan(rando
     running = Running(random_target, "--max_batch_size", 2, "--draft_checkpoint_path", near_draft,
                       "--speculate_k", "auto")
     try:
-        messages = [{"role": "user", "content": "Say something long."}]
-        _, text = alone(library, library.tokenizer.chat_ids(messages), 40)
-        reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 40, "temperature": 0})[1]
-        assert reply["choices"][0]["message"]["content"] == text
+        reply = long_chat_answer(running, library, 40)
         assert reply["fastgen"]["tokens_per_target_forward"] == 1.0
         model = running.scheduler.engine.model
         # NaN in plain decoding's steps only (the prefill and batched decoding stay finite)
@@ -548,10 +554,7 @@ def test_a_lone_request_speculates_with_a_draft_head(random_target, library, tmp
     running = Running(random_target, "--max_batch_size", 2, "--draft_head", tmp_path / "head", "--speculate_k", "auto",
                       "--tree_nodes", "auto")
     try:
-        messages = [{"role": "user", "content": "Say something long."}]
-        _, text = alone(library, library.tokenizer.chat_ids(messages), 48)
-        reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 48, "temperature": 0})[1]
-        assert reply["choices"][0]["message"]["content"] == text
+        long_chat_answer(running, library, 48)
         assert running.scheduler.generator.speculator.kind.startswith("head")
     finally:
         running.stop()
@@ -564,10 +567,7 @@ def test_a_lone_request_speculates_with_a_draft_of_another_tokenizer(random_targ
                       "--speculate_k", "auto")
     try:
         assert running.scheduler.generator.speculator.kind == "draft-cross-tokenizer"
-        messages = [{"role": "user", "content": "Say something long."}]
-        _, text = alone(library, library.tokenizer.chat_ids(messages), 48)
-        reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 48, "temperature": 0})[1]
-        assert reply["choices"][0]["message"]["content"] == text
+        long_chat_answer(running, library, 48)
         sampled = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0.8})[1]
         assert sampled["usage"]["completion_tokens"] == 20 or sampled["choices"][0]["finish_reason"] == "stop"
     finally:
