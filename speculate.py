@@ -278,6 +278,8 @@ class Drafter(Protocol):
     tree_nodes: int  # drafted nodes per tree (== depth: a chain)
     lookahead: int  # cache slots a step may write past the accepted tokens
     features: tuple  # target blocks whose inputs it reads (a draft head); () for none
+    # optional, caught_up: when its last draft() had read the tokens accepted before it (perf_counter), for a drafter
+    # that reads them late (draftmodel.ModelDrafter): `auto` does not price that reading in the arm drafted next
 
     def start(self, prompts: list, max_seq_length: int, features: Optional[Tensor] = None) -> int:
         """A new generation after each row's prompt (features: the prompts' target features [B, T, F], if it reads
