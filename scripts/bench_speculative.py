@@ -95,7 +95,7 @@ def speculator_for(draft_engine, k, nodes=None, ngram=0):
     return generation.make_speculator(generation.Speculation(k, nodes, ngram), draft_engine, max_seq_length=4096)
 
 
-# chat questions the head never trained on (scripts/train_draft_head.py asks about the standard library's sources)
+# chat questions the head never trained on (scripts/chat_requests.py keeps their topics out of its lists)
 HELD_OUT = ["What causes the seasons on Earth? Answer in a short paragraph.",
             "Give me three tips for writing clear emails.",
             "How does a refrigerator keep food cold?",

@@ -4,9 +4,11 @@
         --out checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/head
     python generate.py --compile --checkpoint_path .../model.pth --draft_head .../head --chat --prompt "..."
 
-1. Prompts: questions the target writes itself about a list of everyday subjects (self-instruct: as varied as what
-   users ask), questions about the Python standard library's own modules and docstrings (parsed from its sources,
-   not imported), and paragraphs of --text FILE (repeatable) to summarize or continue.
+1. Prompts: everyday requests to an assistant made from templates and topic lists (scripts/chat_requests.py:
+   explanations, how things work, advice, comparisons, stories, poems, code, recipes, trips), questions about the
+   Python standard library's own modules and docstrings (parsed from its sources, not imported), and paragraphs of
+   --text FILE (repeatable) to summarize or continue. (Questions the target wrote itself, sampled, were mostly not
+   questions at all for a model of SmolLM2's size, and the head learnt their answers' boilerplate.)
 2. Self-distillation (EAGLE, HASS): the target answers them itself, `--batch_size` rows decoded together (eagerly:
    no graph to build), greedily and at temperature 0.7, in its chat template, so the head learns what the target
    says, not what a dataset says. The forwards that write an answer also give the head's inputs and labels: every
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from chat_requests import chat_questions  # noqa: E402
 from errors import UserError, interruptible_imports, run_cli, write_atomically  # noqa: E402
 
 interruptible_imports(__name__)  # Ctrl-C from here on: one line, exit 130
@@ -45,17 +48,6 @@ TEMPLATES = ["What does the Python function `{name}` in the `{module}` module do
              "Write a small Python program that uses `{module}.{name}`.",
              "When would I use the `{module}` module in Python? Answer briefly.",
              "{doc}\n\nSummarize this in one or two sentences."]
-SUBJECTS = ["science", "history", "cooking", "health", "travel", "money and budgeting", "writing", "music", "sports",
-            "mathematics", "programming", "nature", "animals", "space", "geography", "art", "movies", "books",
-            "learning a language", "careers and work", "relationships", "the human body", "technology", "physics",
-            "chemistry", "biology", "economics", "law", "politics", "philosophy", "psychology", "gardening",
-            "home repair", "cars", "the environment", "energy", "food and nutrition", "fitness", "education",
-            "parenting", "pets", "photography", "fashion", "games", "the ocean", "inventions", "famous people",
-            "holidays and traditions", "the internet", "computers", "statistics", "business", "marketing",
-            "poetry", "storytelling", "emails and letters", "time management", "the weather", "cities", "agriculture"]
-ASKS = ["a question", "a short question", "a request for advice", "a request to write something short",
-        "a how-to question", "a request to explain something", "a question that needs a list in the answer"]
-QUESTION_PROMPT = "Write {ask} that a person might ask an AI assistant about {subject}. Write only the question itself."
 TEXT_TEMPLATES = ["Summarize the following text:\n\n{text}", "Continue this text:\n\n{text}",
                   "What is the main point of this passage?\n\n{text}"]
 
@@ -138,38 +130,16 @@ def forced_conversations(model, tokenizer, passages: list, chat: bool, rng: rand
     return data
 
 
-def ask_questions(model, tokenizer, eos, count: int, path: Path, batch_size: int, chat: bool, seed: int) -> list:
-    """`count` questions written by the target itself (sampled), kept in `path`."""
-    if path.exists():
-        return json.loads(path.read_text())
-    import torch
-    from tqdm import tqdm
-    from decode import Sampling
-    rng = random.Random(seed + 1)
-    asks = [QUESTION_PROMPT.format(ask=rng.choice(ASKS), subject=rng.choice(SUBJECTS)) for _ in range(2 * count)]
-    prompts = [encode(tokenizer, model, a, chat) for a in asks]
-    questions = []
-    for i in tqdm(range(0, len(prompts), batch_size), desc="writing questions", unit="batch"):
-        torch.manual_seed(seed + i)
-        rows = decode_batch(model, prompts[i:i + batch_size], batch_size, 48, Sampling(1.0, top_k=50), eos, keep=False)
-        for row in rows:
-            row = [t for t in row["answer"] if t not in eos]  # the end of turn is not part of the question
-            text = tokenizer.decode(row).strip().split("\n")[0].strip().strip('"').strip()
-            if 15 <= len(text) <= 300 and text not in questions:
-                questions.append(text)
-    questions = questions[:count]
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(questions, indent=0)))
-    return questions
-
-
 def encode(tokenizer, model, text: str, chat: bool) -> list:
     from generation import encode_prompt
     return encode_prompt(text, tokenizer, model.args.vocab_size, 0, chat)
 
 
-def make_prompts(count: int, texts: list, seed: int, questions: list) -> list:
+def make_prompts(count: int, texts: list, seed: int, chat_share: float) -> list:
+    """`count` prompts: everyday requests (chat_requests.py, `chat_share` of them), then requests about the user's
+    paragraphs (half of the rest, if any) and about the standard library's functions and docstrings."""
     rng = random.Random(seed)
-    prompts = list(questions)
+    prompts = chat_questions(round(count * chat_share), rng)
     count -= len(prompts)
     paragraphs = [p.strip() for t in texts for p in t.split("\n\n") if 80 <= len(p.strip()) <= 1500]
     share = count // 2 if paragraphs else 0
@@ -482,9 +452,10 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, required=True, help="directory for the head (config.json, "
                                                                 "model.safetensors) and its work files")
     parser.add_argument("--text", type=Path, action="append", default=[], help="more text to make prompts from")
-    parser.add_argument("--prompts", type=int, default=1536, help="conversations to distill")
-    parser.add_argument("--own_questions", type=float, default=0.6,
-                        help="share of the prompts that are questions the target writes itself")
+    parser.add_argument("--prompts", type=int, default=2560, help="conversations to distill")
+    parser.add_argument("--chat_share", type=float, default=0.75,
+                        help="share of the prompts that are everyday requests (scripts/chat_requests.py); the rest "
+                             "ask about --text and the standard library")
     parser.add_argument("--max_new_tokens", type=int, default=160, help="length of each distilled answer")
     parser.add_argument("--text_chars", type=int, default=0,
                         help="characters of offline prose to add as text-forced conversations (default none: within "
@@ -507,6 +478,8 @@ def main(argv=None):
             raise UserError(f"`{name}` must be >= 1")
     if args.text_chars < 0:
         raise UserError("`text_chars` must be >= 0")
+    if not 0 <= args.chat_share <= 1:
+        raise UserError("`chat_share` must be between 0 and 1")
     if not args.checkpoint_path.is_file():
         raise UserError(f"no checkpoint at {args.checkpoint_path}: convert or download one first")
     texts = []
@@ -529,9 +502,7 @@ def main(argv=None):
     tokenizer = get_tokenizer(args.checkpoint_path.parent)
     eos = set(target.args.eos_token_ids) | set(tokenizer.eos_ids)
     chat = tokenizer.chat_template is not None  # answers as the target gives them in a chat
-    questions = ask_questions(target, tokenizer, eos, round(args.prompts * args.own_questions),
-                              work / "questions.json", args.batch_size, chat, args.seed) if args.own_questions > 0 else []
-    prompts = make_prompts(args.prompts, texts, args.seed, questions)
+    prompts = make_prompts(args.prompts, texts, args.seed, args.chat_share)
     limit = target.args.block_size - args.max_new_tokens - 1
     ids = [encode(tokenizer, target, p, chat)[-limit:] for p in prompts]
     layers = drafthead.HeadArgs.for_target(target, 1).target_layers

@@ -288,23 +288,25 @@ def test_prose_passages_put_the_users_text_first_and_stop_near_the_budget(tmp_pa
     assert 30_000 <= total <= 33_000 and len({title for title, _ in passages}) > 1  # the user's, then the stdlib's
     assert all(300 <= len(text) <= 3000 for _, text in passages)
 
-def test_questions_the_target_writes_leave_out_its_end_of_turn(tmp_path, monkeypatch):
-    """The target's own questions become prompts: the end-of-turn token it closes each with is not part of the
-    text (decoded, it would be the literal marker inside the next prompt)."""
-    import types
+def test_chat_requests_are_varied_unseen_and_reproducible():
+    """The prompts the head is distilled on: as many different requests as asked, every kind of request among them,
+    the same for a seed, and none about the topics of the benchmark's held-out questions."""
+    import random
+    import bench_speculative
+    import chat_requests
     import train_draft_head
-    EOS = 2
-
-    def fake_batch(model, prompts, batch_size, max_new_tokens, sampling, eos, keep=False):
-        return [{"answer": [10 + i, 11, EOS]} for i in range(len(prompts))]
-    monkeypatch.setattr(train_draft_head, "decode_batch", fake_batch)
-    tokenizer = types.SimpleNamespace(
-        decode=lambda ids: " ".join("<|end|>" if t == EOS else f"Is word{t} a fine question" for t in ids),
-        chat_ids=lambda messages: [1, 2, 3])
-    model = types.SimpleNamespace(args=types.SimpleNamespace(vocab_size=64))
-    questions = train_draft_head.ask_questions(model, tokenizer, {EOS}, 3, tmp_path / "q.json", 4, True, 0)
-    assert len(questions) == 3 and not any("<|end|>" in q for q in questions), questions
-    assert json.loads((tmp_path / "q.json").read_text()) == questions
+    questions = chat_requests.chat_questions(2000, random.Random(3))
+    assert len(questions) == len(set(questions)) == 2000
+    assert questions == chat_requests.chat_questions(2000, random.Random(3))
+    assert questions != chat_requests.chat_questions(2000, random.Random(4))
+    for templates, values, _ in chat_requests.CHAT:  # every kind of request comes up
+        stems = [t.split("{")[0] for t in templates]
+        assert any(q.startswith(stem) for q in questions for stem in stems), templates
+    held_out = ["season", "refrigerator", "climate", "weather", "email", "law", "paint"]
+    assert all(word in " ".join(bench_speculative.HELD_OUT).lower() for word in held_out)
+    assert not [q for q in questions if any(word in q.lower() for word in held_out)]
+    mix = train_draft_head.make_prompts(100, [], 0, 0.75)
+    assert len(mix) == 100 and sum(q in set(chat_requests.chat_questions(75, random.Random(0))) for q in mix) == 75
 
 
 @pytest.mark.slow
