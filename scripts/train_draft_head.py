@@ -23,7 +23,8 @@
 5. Training-time test (EAGLE-3, Li et al. 2025): step s at slot p feeds the head its own step s - 1 output from slot
    p - 1 and attends the real entries up to the chain's root p - s + 1 plus its own chain: the head learns to draft
    from its own predictions, as it does at depth s. Loss: cross-entropy against the target's top-k distribution;
-   products in bf16 where the CPU has bf16 dot products (weights and optimizer state stay float32).
+   products in bf16 where the CPU has bf16 dot products (weights and optimizer state stay float32); batches of
+   conversations of similar lengths; the learning rate's schedule ends with the epochs or --max_minutes.
 Each phase's result is kept in OUT/work/ (written atomically); run the same command again to resume.
 """
 import argparse
@@ -358,6 +359,20 @@ def make_batches(data: dict, to_draft, order: list, batch_size: int, max_len: in
         yield batch
 
 
+def epoch_batches(train_set: list, lengths: list, batch_size: int, seed: int) -> list:
+    """One epoch's batches (lists of conversations): shuffled, sorted by length within runs of 16 batches so that a
+    batch pads little (every position of a padded batch costs a head forward), then the batches in random order."""
+    rng = random.Random(seed)
+    order = train_set[:]
+    rng.shuffle(order)
+    batches = []
+    for i in range(0, len(order), 16 * batch_size):
+        run = sorted(order[i:i + 16 * batch_size], key=lengths.__getitem__)
+        batches += [run[j:j + batch_size] for j in range(0, len(run), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
 def autocast():
     """bf16 products with float32 weights and optimizer state where the CPU multiplies bf16 natively (AVX-512):
     faster steps, so more of the data in the same minutes."""
@@ -387,8 +402,9 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
     random.Random(args.seed).shuffle(conversations)
     held = conversations[:max(1, len(conversations) // 20)]  # held out: the target's own answers, as at run time
     train_set = conversations[len(held):] + [i for i in range(len(data["tokens"])) if forced[i]]
-    per_epoch = math.ceil(len(train_set) / args.train_batch)
-    total_steps = int(per_epoch * args.epochs)
+    lengths = [min(len(t), args.max_len) for t in data["tokens"]]
+    per_epoch = len(epoch_batches(train_set, lengths, args.train_batch, args.seed))
+    total_steps = max(1, int(per_epoch * args.epochs))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     state_path = work / "state.pt"
@@ -398,21 +414,20 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["optimizer"])
         step, seconds, losses = saved["step"], saved["seconds"], saved.get("losses", [])
-        total_steps = saved.get("total_steps", total_steps)
     warmup = min(100, total_steps // 10 + 1)
     bar = tqdm(total=total_steps, initial=step, desc="training the head", unit="batch")
     last_save, started = time.perf_counter(), time.perf_counter() - seconds
     budget = args.max_minutes * 60
-    while step < total_steps and time.perf_counter() - started < budget:
-        if step == 10:  # the schedule ends with the time budget, if that comes first
-            per_step = (time.perf_counter() - started) / step
-            total_steps = min(total_steps, int(budget / per_step))
-            bar.total = total_steps
+
+    def progress() -> float:  # the schedule ends with the epochs or the time budget, whichever comes first
+        return max(step / total_steps, (time.perf_counter() - started) / budget)
+    batches, batches_epoch = None, -1
+    while progress() < 1:
         epoch, within = divmod(step, per_epoch)
-        order = train_set[:]
-        random.Random(args.seed + epoch).shuffle(order)
-        batch = next(make_batches(data, to_draft, order[within * args.train_batch:], args.train_batch, args.max_len))
-        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+        if epoch != batches_epoch:
+            batches, batches_epoch = epoch_batches(train_set, lengths, args.train_batch, args.seed + epoch), epoch
+        batch = next(make_batches(data, to_draft, batches[within], args.train_batch, args.max_len))
+        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * progress()))
         for group in opt.param_groups:
             group["lr"] = lr
         with autocast():
@@ -423,11 +438,12 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
         opt.step()
         step += 1
         losses.append(loss.item())
+        bar.total = max(step, min(total_steps, round(step / progress())))
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{hits[0] / max(counted[0], 1):.2f}")
-        if time.perf_counter() - last_save > 120 or step == total_steps:
+        if time.perf_counter() - last_save > 120 or progress() >= 1:
             state = {"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                     "seconds": time.perf_counter() - started, "losses": losses, "total_steps": total_steps}
+                     "seconds": time.perf_counter() - started, "losses": losses}
             write_atomically(state_path, lambda tmp: torch.save(state, tmp))
             last_save = time.perf_counter()
     bar.close()
@@ -478,6 +494,8 @@ def main(argv=None):
             raise UserError(f"`{name}` must be >= 1")
     if args.text_chars < 0:
         raise UserError("`text_chars` must be >= 0")
+    if not args.epochs > 0 or not args.max_minutes > 0:
+        raise UserError("`epochs` and `max_minutes` must be > 0")
     if not 0 <= args.chat_share <= 1:
         raise UserError("`chat_share` must be between 0 and 1")
     if not args.checkpoint_path.is_file():

@@ -309,6 +309,28 @@ def test_chat_requests_are_varied_unseen_and_reproducible():
     assert len(mix) == 100 and sum(q in set(chat_requests.chat_questions(75, random.Random(0))) for q in mix) == 75
 
 
+def test_an_epochs_batches_hold_every_conversation_once_and_pad_little():
+    """Training batches: each conversation once per epoch, in batches of similar lengths (a padded position costs a
+    head forward as a real one does), a different order each epoch, the same for a seed (resuming continues it)."""
+    import random
+    import train_draft_head
+    rng = random.Random(0)
+    lengths = [rng.choice([rng.randint(20, 60), rng.randint(150, 400)]) for _ in range(1000)]
+    train_set = list(range(3, 1000))
+    batches = train_draft_head.epoch_batches(train_set, lengths, 8, seed=1)
+    assert sorted(i for b in batches for i in b) == train_set and all(1 <= len(b) <= 8 for b in batches)
+    assert batches == train_draft_head.epoch_batches(train_set, lengths, 8, seed=1)
+    assert batches != train_draft_head.epoch_batches(train_set, lengths, 8, seed=2)
+
+    def padded(batches):
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    shuffled = train_set[:]
+    random.Random(1).shuffle(shuffled)
+    assert padded(batches) < 0.8 * padded([shuffled[i:i + 8] for i in range(0, len(shuffled), 8)])
+    long_first = [max(lengths[i] for i in b) for b in batches[:20]]
+    assert long_first != sorted(long_first, reverse=True)  # the batches themselves come in random order
+
+
 @pytest.mark.slow
 def test_training_makes_a_better_drafter(trained_pair, tmp_path):
     """scripts/train_draft_head.py on the tiny trained target, in seconds: the loss falls, the trained head drafts
