@@ -144,7 +144,7 @@ def real_model(args):
     import time
     import bench_real
     from drafthead import load_head
-    from speculate import synchronize
+    from speculate import synchronize, tree_mask
     directory = args.checkpoint_dir
     model_pth, head_dir = directory / "model.pth", args.draft_head or directory / "head"
     tokenizer = get_tokenizer(directory)
@@ -220,15 +220,23 @@ def real_model(args):
                   + (f", {row['tokens_per_target_forward']:.2f} tokens/target forward"
                      if "tokens_per_target_forward" in row else ""), flush=True)
 
-    def verify_seconds(width, batch=1):
-        """One target forward of `width` tokens per row (the best of 5), as verification runs it."""
-        plain_engine.model.setup_caches(batch, 512)
+    def verify_seconds(width, batch=1, head_rows=False):
+        """One target forward of `width` tokens per row (the best of 5): plain decoding's step for width 1, else a
+        verification as the loop runs it (slots and a tree mask; the features a head reads for head rows)."""
+        target.setup_caches(batch, 512)
         x = torch.zeros(batch, width, dtype=torch.long)
         pos = torch.arange(100, 100 + width).expand(batch, width)
+        mask = torch.cat([tree_mask(list(range(-1, width - 1)), 100, target.max_seq_length, "cpu")] * batch)
         times = []
         for _ in range(6):
             t = time.perf_counter()
-            plain_engine.forward(x, pos)
+            with decode.sdpa_context():
+                if width == 1:
+                    plain_engine.forward(x, pos)
+                elif head_rows:
+                    head_engine.forward_features(x, pos, pos, mask)
+                else:
+                    plain_engine.forward(x, pos, pos, mask)
             synchronize(target)
             times.append(time.perf_counter() - t)
         return min(times[1:])
@@ -257,7 +265,8 @@ def real_model(args):
     plain_step = {1: verify_seconds(1), 4: verify_seconds(1, 4)}
     for row in rows:
         if "draft_ms_per_step" in row and "auto" not in row["config"]:
-            cost = row["draft_ms_per_step"] / 1000 + verify_seconds(row["tree_nodes"] + 1, row["batch"])
+            cost = row["draft_ms_per_step"] / 1000 + verify_seconds(row["tree_nodes"] + 1, row["batch"],
+                                                                    row["config"].startswith("head"))
             row["predicted_speedup"] = row["tokens_per_target_forward"] * plain_step[row["batch"]] / cost
             row["efficiency"] = row["speedup"] / row["predicted_speedup"]
     try:
