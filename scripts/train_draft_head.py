@@ -19,7 +19,9 @@
    answers; the labels are still the target's own next-token probabilities at every position, from one more
    forward over each (a bf16 copy of the target). Measured on SmolLM2 within the same training time they lowered
    the held-out acceptance (fewer passes over the target's own answers), so they are off by default.
-4. The draft vocabulary is the most frequent tokens of the distilled answers (FR-Spec, Zhao et al. 2025).
+4. The draft vocabulary is the most frequent tokens of the distilled answers (FR-Spec, Zhao et al. 2025). The head's
+   layer starts as the target's block at the highest feature layer (`--init block`): the head is a shallow copy of
+   the target's top before it learns anything, which helps where the data is a few minutes of a CPU's distilling.
 5. Training-time test (EAGLE-3, Li et al. 2025): step s at slot p feeds the head its own step s - 1 output from slot
    p - 1 and attends the real entries up to the chain's root p - s + 1 plus its own chain: the head learns to draft
    from its own predictions, as it does at depth s. Loss: cross-entropy against the target's top-k distribution;
@@ -380,6 +382,22 @@ def autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def start_from_block(head, target):
+    """The head's layer starts as the target's block that reads the highest feature layer, `fc` passing that
+    layer's features through: before training, the head is that block run once more on the residual stream."""
+    import torch
+    top = head.args.target_layers[-1]
+    block, dim = target.layers[top], head.args.dim
+    with torch.no_grad():
+        head.fc.weight[:, (len(head.args.target_layers) - 1) * dim:] += torch.eye(dim)
+        head.hidden_norm.weight.copy_(block.attention_norm.weight.float())
+        head.attention.wqkv.weight[:, dim:] = block.attention.wqkv.weight.float()  # the hidden half of its input
+        head.attention.wo.weight.copy_(block.attention.wo.weight.float())
+        head.post_norm.weight.copy_(block.ffn_norm.weight.float())
+        for name in ("w1", "w2", "w3"):
+            getattr(head.feed_forward, name).weight.copy_(getattr(block.feed_forward, name).weight.float())
+
+
 def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
     import torch
     from tqdm import tqdm
@@ -394,6 +412,8 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
         head.output.weight.copy_(target.output.weight[vocab].float())
         head.norm.weight.copy_(target.norm.weight.float())
         head.token_ids.copy_(vocab)
+    if args.init == "block":
+        start_from_block(head, target)
     head.setup_caches(1, max(len(t) for t in data["tokens"]) + 1)
     to_draft = torch.full((target.args.vocab_size,), -1, dtype=torch.long)
     to_draft[vocab] = torch.arange(len(vocab))
@@ -477,7 +497,7 @@ def main(argv=None):
                         help="characters of offline prose to add as text-forced conversations (default none: within "
                              "the time budget they cost passes over the distilled answers, BENCHMARKS.md)")
     parser.add_argument("--batch_size", type=int, default=64, help="rows decoded together while distilling")
-    parser.add_argument("--draft_vocab", type=int, default=8192, help="tokens the head can draft (FR-Spec)")
+    parser.add_argument("--draft_vocab", type=int, default=4096, help="tokens the head can draft (FR-Spec)")
     parser.add_argument("--top_k", type=int, default=8, help="target probabilities kept per position")
     parser.add_argument("--ttt_steps", type=int, default=3, help="training-time-test depth")
     parser.add_argument("--epochs", type=float, default=12, help="at most; --max_minutes ends it sooner")
@@ -486,6 +506,9 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max_minutes", type=float, default=18.0,
                         help="training time: the learning-rate schedule ends there")
+    parser.add_argument("--init", choices=("block", "random"), default="block",
+                        help="the head's layer starts as the target's block at the highest feature layer (learns "
+                             "faster in the same minutes, BENCHMARKS.md) or from random weights")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in ("prompts", "max_new_tokens", "batch_size", "draft_vocab", "top_k", "ttt_steps", "train_batch",
@@ -508,14 +531,18 @@ def main(argv=None):
             raise UserError(f"cannot read `text` {path} ({e}): pass a UTF-8 text file") from None
     import torch
     import drafthead
+    import quantize
     from generation import load_model
     from kernels import use_fast_weight_layout
     from tokenizer import get_tokenizer
     torch.manual_seed(args.seed)
     started = time.perf_counter()
+    target = load_model(args.checkpoint_path)
+    if any(isinstance(m, (quantize.Int8Linear, quantize.Int4Linear)) for m in target.modules()):
+        raise UserError(f"{args.checkpoint_path} is a quantized file: train the head on the float checkpoint "
+                        f"(model.pth); the head drafts for the quantized files of the same model too")
     work = args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    target = load_model(args.checkpoint_path)
     use_fast_weight_layout(target)  # products of batch_size rows on oneDNN-packed weights
     tokenizer = get_tokenizer(args.checkpoint_path.parent)
     eos = set(target.args.eos_token_ids) | set(tokenizer.eos_ids)

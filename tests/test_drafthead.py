@@ -331,6 +331,59 @@ def test_an_epochs_batches_hold_every_conversation_once_and_pad_little():
     assert long_first != sorted(long_first, reverse=True)  # the batches themselves come in random order
 
 
+def test_a_head_started_from_a_block_is_that_block_before_training(random_target):
+    """--init block: with its embedding half silent, the untrained head computes the target's block at the highest
+    feature layer on the hidden states it is given (same mask, same positions)."""
+    import train_draft_head
+    target = generation.load_model(random_target)
+    head = random_head(target, 300, scale=0.02)
+    train_draft_head.start_from_block(head, target)
+    dim, top = target.args.dim, head.args.target_layers[-1]
+    with torch.no_grad():
+        head.attention.wqkv.weight[:, :dim] = 0
+        T = 9
+        target.setup_caches(1, 16)
+        head.setup_caches(1, 16)
+        hidden = torch.randn(1, T, dim)
+        pos = torch.arange(T).view(1, T)
+        mask = (torch.arange(16).view(1, 1, 1, -1) <= pos.view(1, 1, T, 1))
+        ours = head(hidden, torch.randint(0, 512, (1, T)), pos, mask=mask)
+        block = target.layers[top](hidden, target.rope_table[pos], mask, pos)
+    torch.testing.assert_close(ours, block, rtol=1e-4, atol=1e-4)
+    features = torch.randn(2, 3, len(head.args.target_layers) * dim)
+    passed = head.fuse(features) - features[..., -dim:]  # the top layer's features pass through, plus the noise
+    assert passed.abs().max() < 1.0 and passed.abs().mean() < 0.2
+
+
+def test_a_head_trains_on_the_float_file_and_drafts_for_its_quantized_ones(random_target, head_dir, tmp_path):
+    """A quantized --checkpoint_path is one line before any work (its layers hold no float weights to start from);
+    the float file's head drafts for the int8 file with the int8 file's greedy output."""
+    import shutil
+    import quantize
+    import train_draft_head
+    target = tmp_path / "target" / "model.pth"
+    shutil.copytree(random_target.parent, target.parent)
+    int8 = quantize.quantize_checkpoint(target, "int8")
+    with pytest.raises(UserError, match="quantized file: train the head on the float checkpoint"):
+        train_draft_head.main(["--checkpoint_path", str(int8), "--out", str(tmp_path / "head")])
+    assert not (tmp_path / "head" / "work").exists()
+    plain = generation.Generator.build(int8)
+    drafted = generation.Generator.build(int8, draft_head=head_dir, speculation=generation.Speculation(3, None))
+    prompts = [plain.encode(text) for text in PROMPTS]
+    assert drafted.generate(prompts, 24, Sampling(0))[0] == plain.generate(prompts, 24, Sampling(0))[0]
+
+
+def test_training_ends_with_its_time_budget(random_target, tmp_path):
+    """--max_minutes ends training (and its learning-rate schedule) however many epochs were asked for."""
+    import train_draft_head
+    budget = 0.04  # minutes
+    stats = train_draft_head.main(["--checkpoint_path", str(random_target), "--out", str(tmp_path),
+                                   "--prompts", "8", "--max_new_tokens", "6", "--batch_size", "8", "--epochs", "1e6",
+                                   "--train_batch", "2", "--draft_vocab", "64", "--max_minutes", str(budget)])
+    assert budget * 60 <= stats["train_seconds"] < budget * 60 + 20, stats
+    assert 1 <= stats["steps"] and stats["epochs"] < 1e5, stats
+
+
 @pytest.mark.slow
 def test_training_makes_a_better_drafter(trained_pair, tmp_path):
     """scripts/train_draft_head.py on the tiny trained target, in seconds: the loss falls, the trained head drafts
