@@ -18,8 +18,8 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, chosen_is_finite, decode_n_tokens, logits_to_probs, sample, sample_from, \
-    sdpa_context
+from decode import EOS_CHECK_EVERY, Engine, Sampling, chosen_is_finite, decode_n_tokens, logits_to_probs, sample, \
+    sample_from, sdpa_context
 from errors import UserError, write_atomically
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -576,17 +576,29 @@ class Speculator:
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
             streamed = False
-            if arm is None and not self.features and all(live):
+            if arm is None and all(live):
                 # plain steps, as many as the choice takes in a row, through plain decoding's own loop (no host
-                # work between tokens); the drafter hears of each as of a plain step (a draft model catches up later)
+                # work between tokens); the drafter hears of each as of a plain step (a draft model catches up later,
+                # a head reads the features each step gave)
                 steps = auto.plain_run(min(max_new_tokens - len(out) for out in outs))
-                made = decode_n_tokens(target, torch.tensor([c[-1] for c in contexts], device=first.device), pos,
-                                       steps, sampling, eos_ids, stop_at_eos, callback)
-                streamed, steps = callback is not None, len(made)
+                last = torch.tensor([c[-1] for c in contexts], device=first.device)
+                if self.features:
+                    made, hidden = plain_run_features(target, last, pos, steps, sampling)
+                else:
+                    made, hidden = decode_n_tokens(target, last, pos, steps, sampling, eos_ids, stop_at_eos,
+                                                   callback), None
+                streamed, steps = callback is not None and not self.features, len(made)
                 made = torch.stack(made, 1).tolist()  # [B, steps]
+                kept = [steps] * batch  # a row's tokens up to its end (EOS or length): the drafter hears of those
+                for b, row in enumerate(made):
+                    for i, t in enumerate(row):
+                        if len(outs[b]) + i + 1 >= max_new_tokens or (stop_at_eos and t in eos):
+                            kept[b] = i + 1
+                            break
                 for i in range(steps):
                     trees = [Tree.rooted_at(c[-1] if i == 0 else row[i - 1]) for c, row in zip(contexts, made)]
-                    drafter.accepted([[] for _ in trees], trees, pos)
+                    drafter.accepted([[] if i < kept[b] else None for b in range(batch)], trees, pos,
+                                     None if hidden is None else hidden[i])
                 drafted, paths = started, []
                 stats.plain_steps += steps
                 stats.target_forwards += steps
@@ -670,6 +682,31 @@ def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, fe
     if not bool(chosen_is_finite(logits[:, -1] if probs is None else probs, token).all()):
         raise non_finite_logits(model, "for a generated token")
     return token.tolist(), hidden
+
+
+def plain_run_features(target: Engine, token: Tensor, pos: list, steps: int, sampling: Sampling):
+    """`steps` plain steps of every row with the target's features ([B, 1, F] per step), as plain decoding's loop runs
+    them: no host work between tokens, non-finite logits looked for every EOS_CHECK_EVERY tokens (as plain decoding
+    does). Returns the tokens ([B] per step) and the features."""
+    model = target.model
+    device = model.tok_embeddings.weight.device
+    batch = token.shape[0]
+    x = token.view(batch, 1)
+    input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
+    cache_slots = torch.arange(model.max_seq_length, device=device).view(1, 1, 1, -1)
+    tokens, features, finite = [], [], torch.ones(batch, dtype=torch.bool, device=device)
+    with sdpa_context():
+        for i in range(steps):
+            at = input_pos + i
+            logits, hidden = target.forward_features(x, at, at, cache_slots <= at.view(-1, 1, 1, 1))
+            token, probs = sample(logits[:, -1], sampling)
+            finite &= chosen_is_finite(logits[:, -1] if probs is None else probs, token)
+            x = token.view(batch, 1)
+            tokens.append(token.clone())
+            features.append(hidden.clone())  # a CUDA graph's replay overwrites its outputs
+            if ((i + 1) % EOS_CHECK_EVERY == 0 or i + 1 == steps) and not bool(finite.all()):
+                raise non_finite_logits(model, "for a generated token")
+    return tokens, features
 
 
 def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False) -> float:

@@ -6,8 +6,8 @@ generation), in one process run, on the tiny pair from scripts/train_tiny.py.
     python scripts/bench_speculative.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct  # a real model
 
 With --checkpoint_dir (a real model with a draft head trained by scripts/train_draft_head.py in DIR/head): held-out
-chat questions at T = 0 and 0.7, our plain decode, the model's own int4 copy as the draft, n-gram drafts, the head's
-chains and trees (a sweep of depths and sizes) and `auto`, a copy-heavy prompt, a batch of 4 questions, and
+chat questions at T = 0 and 0.7, our plain decode, the model's own int4 and int4-a8 copies as drafts, n-gram drafts,
+the head's chains and trees (a sweep of depths and sizes) and `auto`, a copy-heavy prompt, a batch of 4 questions, and
 llama.cpp's plain decode of the GGUF (Q4_1 and Q8_0) beside them; see real_model().
 
 Prompts: the opening lines of held-out standard-library files (OUT/heldout_files.txt, never trained on).
@@ -156,11 +156,11 @@ def real_model(args):
     head = decode.compile_head(load_head(head_dir, target), "cpu", mode)
     plain_engine = decode.compile_engine(target, "cpu", mode)
     head_engine = decode.compile_engine(target, "cpu", mode, features=head.args.target_layers)
-    int4 = generation.load_model(benchlib.quantized_checkpoint(model_pth, "int4", 32))
-    int4_engine = decode.compile_engine(int4, "cpu", mode)
+    drafts = {scheme: decode.compile_engine(generation.load_model(benchlib.quantized_checkpoint(model_pth, scheme, 32)),
+                                            "cpu", mode) for scheme in ("int4", "int4-a8")}  # the model's own files
 
     def spec(k, nodes=None, ngram=0, drafter="head"):
-        draft = int4_engine if drafter == "int4" else None
+        draft = drafts.get(drafter)
         return generation.make_speculator(generation.Speculation(k, nodes, ngram), draft, target.args.block_size,
                                           head if drafter == "head" else None)
     rows, threads = [], args.threads or os.cpu_count()
@@ -248,6 +248,7 @@ def real_model(args):
         sampling = decode.Sampling(temperature)
         measure("chat", sampling, questions, {
             "plain": (plain_engine, None), "int4 draft chain K=5": (plain_engine, spec(5, drafter="int4")),
+            "int4-a8 draft chain K=5": (plain_engine, spec(5, drafter="int4-a8")),
             "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)), **chains, **trees,
             "head auto": (head_engine, spec("auto", "auto"))})
     if "copy" in cells:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import decode
+import drafthead
 import generation
 import speculate
 from helpers import cli, copy_checkpoint, lossless_pvalues, DRAWS, PREFIX, PREFIX2, REJECT_BELOW
@@ -113,22 +114,24 @@ def test_auto_steps_of_any_size_or_plain_keep_every_row(random_target, near_draf
     assert stats["plain_steps"] >= 3 and sum(stats["accept_counts"]) >= 3
 
 
-@pytest.mark.parametrize("drafter", ["draft model", "n-gram"])
+@pytest.mark.parametrize("drafter", ["draft model", "n-gram", "draft head"])
 def test_auto_plain_runs_go_through_plain_decoding(random_target, near_draft, drafter, monkeypatch):
-    """A drafter that reads no target features takes `auto`'s plain steps in runs through plain decoding's own loop
-    (decode_n_tokens), of any length between speculative steps; rows stop at EOS inside a run, a run never passes
-    max_new_tokens, rows that finished make the next plain steps single ones again; every row equals its prompt
-    decoded alone, the stats count one target forward per plain token, a stream hands on each token once."""
+    """`auto`'s plain steps come in runs through plain decoding's own loop (decode_n_tokens; a head's, which reads
+    the target's features, through plain_run_features), of any length between speculative steps; rows stop at EOS
+    inside a run, a run never passes max_new_tokens, rows that finished make the next plain steps single ones again;
+    every row equals its prompt decoded alone, the stats count one target forward per plain token, a stream hands on
+    each token once."""
+    from test_drafthead import random_head
     model = generation.load_model(random_target)
-    engine = decode.Engine(model)
     calls = [0]
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return decode.decode_one_token(*args, **kwargs)
-    engine = decode.Engine(model, decode_one_token=counted)
+    head = random_head(model, 300, seed=2) if drafter == "draft head" else None
+    engine = decode.Engine(model, decode_one_token=counted, features=head.args.target_layers if head else ())
     draft = decode.Engine(generation.load_model(near_draft)) if drafter == "draft model" else None
-    speculation = generation.Speculation("auto") if draft else generation.Speculation(3, "auto", 3)
+    speculation = generation.Speculation("auto") if draft else generation.Speculation(3, "auto", 0 if head else 3)
     plain = alone(decode.Engine(model), BATCH, 24)
     eos = plain[2][9]  # row 2 meets it inside a run, others maybe too
     for eos_ids in ([eos], []):
@@ -137,7 +140,7 @@ def test_auto_plain_runs_go_through_plain_decoding(random_target, near_draft, dr
         monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: chosen.append(next(arms)) or chosen[-1])
         monkeypatch.setattr(speculate.AutoChoice, "plain_run",
                             lambda self, limit: runs.append((next(lengths), limit)) or min(runs[-1]))
-        speculator = generation.make_speculator(speculation, draft, model.args.block_size)
+        speculator = generation.make_speculator(speculation, draft, model.args.block_size, head)
         calls[0] = 0
         got, stats = generation.generate(engine, [list(p) for p in BATCH], 24, decode.Sampling(), eos_ids,
                                          speculator=speculator)
@@ -145,7 +148,35 @@ def test_auto_plain_runs_go_through_plain_decoding(random_target, near_draft, dr
         assert stats["target_forwards"] == 1 + stats["plain_steps"] + sum(arm is not None for arm in chosen)
         assert sum(stats["accept_counts"]) >= 3
         # runs while every row is live, single plain steps (plain_step) once one has finished
-        assert 8 < calls[0] <= stats["plain_steps"] and (calls[0] < stats["plain_steps"] or not eos_ids)
+        assert head or 8 < calls[0] <= stats["plain_steps"] and (calls[0] < stats["plain_steps"] or not eos_ids)
+        if head:  # what the head read at each catch-up: the target's features of the tokens before its slots
+            reads = []
+            catch_up = drafthead.HeadDrafter.catch_up
+
+            def recording(self, pos, contexts):
+                reads.append(([torch.cat(p) if p else None for p in self.pending], list(pos)))
+                return catch_up(self, pos, contexts)
+            arms, lengths = iter([None, (2, 2), None, None, (1, 1), None, (3, 3)] * 30), iter([4, 1, 7, 2, 5, 3] * 30)
+            with monkeypatch.context() as m:
+                m.setattr(drafthead.HeadDrafter, "catch_up", recording)
+                generation.generate(engine, [list(p) for p in BATCH], 24, decode.Sampling(), eos_ids,
+                                    speculator=generation.make_speculator(speculation, None, model.args.block_size,
+                                                                          head))
+            whole = generation.load_model(random_target)
+            whole.setup_caches(1, 64)
+            checked = 0
+            for b, (prompt, row) in enumerate(zip(BATCH, got)):
+                if len(row) < 24:  # a row that ended early keeps its last position; it drafts no more
+                    continue
+                sequence = torch.tensor([list(prompt) + row])
+                _, features = whole.forward_features(sequence, torch.arange(sequence.shape[1]).view(1, -1),
+                                                     layers=head.args.target_layers)
+                for pending, pos in reads:
+                    if pending[b] is not None and len(pending[b]):
+                        n = len(pending[b])
+                        torch.testing.assert_close(pending[b], features[0, pos[b] - n:pos[b]], atol=1e-4, rtol=1e-4)
+                        checked += 1
+            assert checked >= 6
     streamed, runs = [], []
     arms, lengths = iter([None, (2, 2), None] * 30), iter([30, 2] * 30)  # the first run cut at max_new_tokens
     got, _ = generation.generate(engine, [list(BATCH[1])], 24, decode.Sampling(), [],
@@ -202,10 +233,9 @@ def test_a_draft_models_catch_up_after_plain_steps_is_not_priced_in_the_next_arm
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("drafter", ["n-gram", "draft head"])
 def test_plain_steps_inside_the_loop_stop_on_nan_logits(random_target, temperature, drafter, monkeypatch):
-    """Plain steps inside the speculative loop end the run with the one NaN line when the logits go NaN: a plain
-    step (a drafter reading features) looks at the chosen token's logit or probability (argmax picks a NaN; NaN makes
-    every probability NaN) at once; a run through plain decoding's loop looks as plain decoding does (FiniteWatch,
-    every EOS_CHECK_EVERY tokens)."""
+    """Plain steps inside the speculative loop end the run with the one NaN line when the logits go NaN: a run of
+    plain steps looks as plain decoding does, every EOS_CHECK_EVERY tokens (FiniteWatch; with a drafter reading
+    features, the chosen token's logit or probability: argmax picks a NaN, NaN makes every probability NaN)."""
     from test_drafthead import random_head
     model = generation.load_model(random_target)
     calls = [0]
@@ -222,7 +252,7 @@ def test_plain_steps_inside_the_loop_stop_on_nan_logits(random_target, temperatu
     with pytest.raises(generation.UserError, match="NaN"):
         generation.generate(engine, [list(p) for p in BATCH], 20, decode.Sampling(temperature), [],
                             stop_at_eos=False, speculator=speculator)
-    assert calls[0] == (5 if head else 4 + decode.EOS_CHECK_EVERY)
+    assert calls[0] == 4 + decode.EOS_CHECK_EVERY
 
 
 def test_auto_choice_uses_a_timing_once_a_second_replaces_the_first():
