@@ -583,7 +583,7 @@ class Speculator:
                 steps = auto.plain_run(min(max_new_tokens - len(out) for out in outs))
                 last = torch.tensor([c[-1] for c in contexts], device=first.device)
                 if self.features:
-                    made, hidden = plain_run_features(target, last, pos, steps, sampling)
+                    made, hidden = run_plain_steps(target, last, pos, steps, sampling, True)
                 else:
                     made, hidden = decode_n_tokens(target, last, pos, steps, sampling, eos_ids, stop_at_eos,
                                                    callback), None
@@ -660,53 +660,45 @@ class Speculator:
 
 
 def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False):
-    """A plain step of every row inside the loop: each row's current token through the target's forward (the causal
-    mask made on the device, one draw for the whole batch), none of verification's host work (per-row tree masks,
-    per-row verification), which made a plain step here cost more than plain decoding's. Returns each row's next
-    token and, with `features`, the target's features at the current token [B, 1, F]. Finished rows step too (the
-    shape stays fixed); their tokens are ignored."""
-    model = target.model
-    device = model.tok_embeddings.weight.device
-    x = torch.tensor([c[-1] for c in contexts], device=device).view(-1, 1)  # [B, 1]
-    input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
-    # the causal mask passed as verification passes its tree's: every mode's graphs see one signature
-    mask = torch.arange(model.max_seq_length, device=device).view(1, 1, 1, -1) <= input_pos.view(-1, 1, 1, 1)
-    hidden = None
-    with sdpa_context():
-        if features:
-            logits, hidden = target.forward_features(x, input_pos, input_pos, mask)  # [B, 1, V], [B, 1, F]
-            hidden = hidden.clone()  # a CUDA graph's replay overwrites its outputs
-        else:
-            logits = target.forward(x, input_pos, input_pos, mask)  # [B, 1, V]
-    token, probs = sample(logits[:, -1], sampling)
-    if not bool(chosen_is_finite(logits[:, -1] if probs is None else probs, token).all()):
-        raise non_finite_logits(model, "for a generated token")
-    return token.tolist(), hidden
+    """A plain step of every row inside the loop (run_plain_steps): each row's current token through the target's
+    forward. Returns each row's next token and, with `features`, the target's features at the current token
+    [B, 1, F]. Finished rows step too (the shape stays fixed); their tokens are ignored."""
+    device = target.model.tok_embeddings.weight.device
+    tokens, hidden = run_plain_steps(target, torch.tensor([c[-1] for c in contexts], device=device), pos, 1, sampling,
+                                     features)
+    return tokens[0].tolist(), hidden[0] if features else None
 
 
-def plain_run_features(target: Engine, token: Tensor, pos: list, steps: int, sampling: Sampling):
-    """`steps` plain steps of every row with the target's features ([B, 1, F] per step), as plain decoding's loop runs
-    them: no host work between tokens, non-finite logits looked for every EOS_CHECK_EVERY tokens (as plain decoding
-    does). Returns the tokens ([B] per step) and the features."""
+def run_plain_steps(target: Engine, token: Tensor, pos: list, steps: int, sampling: Sampling, features: bool = False):
+    """`steps` plain steps of every row after `token` [B] at positions `pos`, as plain decoding's loop runs them: the
+    causal mask made on the device, one draw for the batch, no host work between tokens (per-row tree masks and
+    verification made a plain step cost more than plain decoding's), non-finite logits looked for every
+    EOS_CHECK_EVERY tokens as plain decoding does. Returns the tokens ([B] per step) and, with `features`, the
+    target's features at each step's input ([B, 1, F] per step), the head's entries for these tokens."""
     model = target.model
     device = model.tok_embeddings.weight.device
     batch = token.shape[0]
     x = token.view(batch, 1)
     input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
     cache_slots = torch.arange(model.max_seq_length, device=device).view(1, 1, 1, -1)
-    tokens, features, finite = [], [], torch.ones(batch, dtype=torch.bool, device=device)
+    tokens, kept, finite = [], [], torch.ones(batch, dtype=torch.bool, device=device)
     with sdpa_context():
         for i in range(steps):
             at = input_pos + i
-            logits, hidden = target.forward_features(x, at, at, cache_slots <= at.view(-1, 1, 1, 1))
+            # the causal mask passed as verification passes its tree's: every mode's graphs see one signature
+            mask = cache_slots <= at.view(-1, 1, 1, 1)
+            if features:
+                logits, hidden = target.forward_features(x, at, at, mask)  # [B, 1, V], [B, 1, F]
+                kept.append(hidden.clone())  # a CUDA graph's replay overwrites its outputs
+            else:
+                logits = target.forward(x, at, at, mask)
             token, probs = sample(logits[:, -1], sampling)
             finite &= chosen_is_finite(logits[:, -1] if probs is None else probs, token)
             x = token.view(batch, 1)
             tokens.append(token.clone())
-            features.append(hidden.clone())  # a CUDA graph's replay overwrites its outputs
             if ((i + 1) % EOS_CHECK_EVERY == 0 or i + 1 == steps) and not bool(finite.all()):
                 raise non_finite_logits(model, "for a generated token")
-    return tokens, features
+    return tokens, kept
 
 
 def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False) -> float:

@@ -117,7 +117,7 @@ def test_auto_steps_of_any_size_or_plain_keep_every_row(random_target, near_draf
 @pytest.mark.parametrize("drafter", ["draft model", "n-gram", "draft head"])
 def test_auto_plain_runs_go_through_plain_decoding(random_target, near_draft, drafter, monkeypatch):
     """`auto`'s plain steps come in runs through plain decoding's own loop (decode_n_tokens; a head's, which reads
-    the target's features, through plain_run_features), of any length between speculative steps; rows stop at EOS
+    the target's features, through run_plain_steps), of any length between speculative steps; rows stop at EOS
     inside a run, a run never passes max_new_tokens, rows that finished make the next plain steps single ones again;
     every row equals its prompt decoded alone, the stats count one target forward per plain token, a stream hands on
     each token once."""
