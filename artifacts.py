@@ -147,6 +147,30 @@ def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str
     return library
 
 
+def loader_marker(device: str) -> tuple:
+    """(the file that says AOTInductor's loader crashed on this machine, this software and device's line in it)."""
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else torch.backends.cpu.get_cpu_capability()
+    return cache_home() / "loader-crashed", f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {name}"
+
+
+def loader_crashed(device: str) -> bool:
+    """Whether a stored graph's loader crashed here before, with this torch and device: then no graph is built to be
+    stored (a build takes minutes, and every one crashed; a trivial graph's did too on a GPU measured, BENCHMARKS.md)."""
+    path, line = loader_marker(device)
+    try:
+        return line in path.read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+
+
+def note_loader_crash(device: str):
+    path, line = loader_marker(device)
+    if not loader_crashed(device):
+        old = path.read_text(errors="replace") if path.exists() else ""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda tmp: tmp.write_text(old + line + "\n"))
+
+
 def build_seconds_estimate(directory: Path, n_layer: int):
     """Seconds a build will take, from earlier builds here (per layer), or None."""
     rates = []

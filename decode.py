@@ -488,6 +488,11 @@ class StoredGraph:
                 print(f"refusing the stored graph {library}: it does not load ({type(e).__name__}); building it "
                       f"again", file=sys.stderr)
         what = f"the graph of {self.path} (batch {batch}, {length} positions, {self.mode})"
+        if artifacts.loader_crashed(self.device):
+            print(f"not storing {what}: loading a stored graph crashed on this machine with this torch before; "
+                  f"compiling it in this process (remove {artifacts.loader_marker(self.device)[0]} to try again)",
+                  file=sys.stderr)
+            return self.in_process()
         estimate = artifacts.build_seconds_estimate(directory, self.n_layer)
 
         def build(tmp):
@@ -507,6 +512,8 @@ class StoredGraph:
                   file=sys.stderr)
             text = f"{key}\n{type(e).__name__}: {first}\n"
             write_atomically(failed, lambda tmp: tmp.write_text(text))
+            if isinstance(e, LoaderCrashed):  # the loader, not this graph: every later build would crash as well
+                artifacts.note_loader_crash(self.device)
             return self.in_process()
 
     def in_process(self):
@@ -721,7 +728,7 @@ def loads_in_child(library, table, device: str, examples: list, timeout: float =
     """Load and run a freshly built graph (its library and operator table's text, or None) in a child process first,
     on each of `examples` (lists of its arguments):
     AOTInductor's loader crashed (a segmentation fault, which no exception handler catches) on a GPU measured
-    (BENCHMARKS.md). Raises RuntimeError if it fails."""
+    (BENCHMARKS.md). Raises LoaderCrashed if the child dies of a signal, RuntimeError if it fails otherwise."""
     import subprocess
     import tempfile
     library = Path(library)
@@ -744,7 +751,12 @@ def loads_in_child(library, table, device: str, examples: list, timeout: float =
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [""])[-1][:160]
         how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
-        raise RuntimeError(f"loading it in a child process failed ({how}{': ' + last if last else ''})")
+        error = LoaderCrashed if done.returncode < 0 else RuntimeError
+        raise error(f"loading it in a child process failed ({how}{': ' + last if last else ''})")
+
+
+class LoaderCrashed(RuntimeError):
+    """The child process that loaded a stored graph died of a signal (AOTInductor's loader segfaulted)."""
 
 
 class Replayed:

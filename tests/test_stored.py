@@ -418,7 +418,7 @@ def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "CHILD_CHECK", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     library = tmp_path / "graph.so"
     library.write_bytes(b"\0")
-    with pytest.raises(RuntimeError, match="signal 11"):
+    with pytest.raises(decode.LoaderCrashed, match="signal 11"):
         decode.loads_in_child(library, None, "cuda", [decode.example_inputs(1, 64, "cpu", 1)])
     assert list(tmp_path.iterdir()) == [library]  # its check directory removed
 
@@ -451,6 +451,41 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
     finally:
         torch.set_num_threads(threads)
     assert "cannot store" in capsys.readouterr().err
+
+
+def test_a_loader_that_crashed_is_given_no_other_graph_to_build(checkpoint, tmp_path, monkeypatch, capsys):
+    """A child process killed by a signal while loading a fresh graph marks the machine (this torch, this device):
+    a later run builds no graph of any key or model to store (minutes each, and each would crash) but compiles it in
+    the process at once, with one line saying how to try again; a build that fails otherwise marks nothing."""
+    import artifacts
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def forward(threads):
+        torch.set_num_threads(threads)  # part of the key: each thread count is another graph
+        model = generation.load_model(checkpoint)
+        model.setup_caches(1, 64)
+        return decode.StoredForward(model, "cpu", "stored")
+
+    def fails(*args):
+        raise RuntimeError("loading it in a child process failed (exit 1: a wrong output)")
+
+    def crashes(*args):
+        raise decode.LoaderCrashed("loading it in a child process failed (signal 11)")
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(decode.StoredForward, "export", fails)
+        forward(threads + 1).load(1, 1, 64)
+        assert "cannot store" in capsys.readouterr().err and not artifacts.loader_crashed("cpu")
+        monkeypatch.setattr(decode.StoredForward, "export", crashes)
+        forward(threads + 2).load(1, 1, 64)
+        assert "signal 11" in capsys.readouterr().err and artifacts.loader_crashed("cpu")
+        monkeypatch.setattr(decode.StoredForward, "export", lambda *args: pytest.fail("built again"))
+        run, bind = forward(threads + 3).load(1, 1, 64)
+        assert bind is None and callable(run)
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and "not storing" in err[0] and "loader-crashed to try again" in err[0]
+    finally:
+        torch.set_num_threads(threads)
 
 
 class FakeCudaGraphs:
