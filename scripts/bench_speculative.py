@@ -312,6 +312,8 @@ def main(argv=None):
                    help="real model: each answer ends at its end of turn, as a user sees it (default: exactly "
                         "--new_tokens tokens)")
     p.add_argument("--k", type=int, default=5, help="draft depth for chain and tree")
+    p.add_argument("--chain_depths", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="the pair's chains at these depths too (the fixed choices `auto` is measured against)")
     p.add_argument("--tree_nodes", default="16", help="the tree's N; comma-separated for several trees (the first "
                                                            "also sizes the merged and n-gram trees)")
     p.add_argument("--ngram", type=int, default=3)
@@ -403,7 +405,8 @@ def main(argv=None):
     k, nodes, n = args.k, sizes[0], args.ngram
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         trees = {f"tree N={size} K={k}": (draft, k, size, 0) for size in sizes}
-        configs = {f"chain K={k}": (draft, k, None, 0), **trees,
+        chains = {f"chain K={depth}": (draft, depth, None, 0) for depth in sorted({k, *args.chain_depths})}
+        configs = {**chains, **trees,
                    f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n),
                    "chain K=auto": (draft, "auto", None, 0), f"chain K={k}, int8 draft": (int8_draft, k, None, 0),
                    f"{n}-gram tree N={nodes} K={k} (no draft)": (None, k, nodes, n)}
