@@ -149,8 +149,9 @@ def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str
 
 def loader_marker(device: str) -> tuple:
     """(the file that says AOTInductor's loader crashed on this machine, this software and device's line in it)."""
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else torch.backends.cpu.get_cpu_capability()
-    return cache_home() / "loader-crashed", f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {name}"
+    name = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})" if device.startswith("cuda") \
+        else f"the CPU ({torch.backends.cpu.get_cpu_capability()})"
+    return cache_home() / "loader-crashed", f"torch {torch.__version__} on {name}"
 
 
 def loader_crashed(device: str) -> bool:
