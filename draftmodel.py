@@ -393,10 +393,11 @@ class ModelDrafter:
             q = None if greedy else q.clone()
             return [[(token, None if greedy else q[r], 0.0, None)] for r, token in enumerate(tokens.tolist())]
         with sdpa_context():
+            if sampling.temperature == 0 and self.width == 1:  # chain: the argmax, a point mass (no scores)
+                tokens = self.compute_logits(x, input_pos, slots, mask, last).argmax(-1)
+                return [[(token, None, 0.0, None)] for token in tokens.tolist()]
             if sampling.temperature == 0:
                 tokens, log_q, log_prior = self.propose(x, input_pos, slots, mask, self.width, last)
-                if self.width == 1:  # chain: the argmax, a point mass
-                    return [[(token, None, 0.0, None)] for token in tokens[:, 0].tolist()]
                 rows = self.table.rank(tokens, log_q, log_prior)
                 return [[(token, None, score, cell) for token, score, cell in row] for row in rows]
             logits = self.compute_logits(x, input_pos, slots, mask, last)
