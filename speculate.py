@@ -564,6 +564,11 @@ class Speculator:
         def finished(out):
             return len(out) >= max_new_tokens or (stop_at_eos and out[-1] in eos)
 
+        def taken(out, new):
+            """How many of a row's new tokens it keeps: up to its end (the length, or EOS where it stops there)."""
+            return next((i + 1 for i, t in enumerate(new)
+                         if len(out) + i + 1 >= max_new_tokens or (stop_at_eos and t in eos)), len(new))
+
         live = [not finished(out) for out in outs]
         contexts = [p + out for p, out in zip(prompts, outs)]  # a finished row's stays as it was: it idles
         if any(live):
@@ -589,12 +594,7 @@ class Speculator:
                                                    callback), None
                 streamed, steps = callback is not None and not self.features, len(made)
                 made = torch.stack(made, 1).tolist()  # [B, steps]
-                kept = [steps] * batch  # a row's tokens up to its end (EOS or length): the drafter hears of those
-                for b, row in enumerate(made):
-                    for i, t in enumerate(row):
-                        if len(outs[b]) + i + 1 >= max_new_tokens or (stop_at_eos and t in eos):
-                            kept[b] = i + 1
-                            break
+                kept = [taken(out, row) for out, row in zip(outs, made)]  # the drafter hears of a row's tokens
                 for i in range(steps):
                     trees = [Tree.rooted_at(c[-1] if i == 0 else row[i - 1]) for c, row in zip(contexts, made)]
                     drafter.accepted([[] if i < kept[b] else None for b in range(batch)], trees, pos,
@@ -640,14 +640,14 @@ class Speculator:
             for b, new in enumerate(news):
                 if new is None or not live[b]:
                     continue
-                for t in new:
-                    outs[b].append(t)
-                    if callback and not streamed:
+                new = new[:taken(outs[b], new)]
+                outs[b] += new
+                if callback and not streamed:
+                    for t in new:
                         callback(torch.tensor([t]))
-                    if finished(outs[b]):
-                        live[b] = False
-                        break
-                if live[b]:
+                if finished(outs[b]):
+                    live[b] = False
+                else:
                     pos[b] += len(new)
                     contexts[b] += new
             if auto:  # the whole step, its bookkeeping included: what a step of this arm costs
