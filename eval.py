@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, compile_engine, sdpa_context  # noqa: E402
-from generation import Generator, check_engine_settings, load_model  # noqa: E402
+from generation import Generator, check_engine_settings, load_model, reserve_caches  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
@@ -144,10 +144,11 @@ def perplexity(model: Transformer, tokens: list, ctx: int, batch_size: int = 1, 
         (lambda x, pos: engine.forward(x, pos)[:, logits_at].float())
     device = model.tok_embeddings.weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model.setup_caches(batch_size, ctx)
+    batch_size = min(batch_size, len(chunks))  # more rows than chunks would only hold memory
+    reserve_caches(model, batch_size, ctx, base, "lower `batch_size` or `ctx`", tokens=ctx)
     if base is not None:
         compile_engine(base, base.tok_embeddings.weight.device.type, "none")  # its eager weight layout
-        base.setup_caches(batch_size, ctx)
+        reserve_caches(base, batch_size, ctx, None, "lower `batch_size` or `ctx`", tokens=ctx)
     positions = torch.arange(ctx, device=device).expand(batch_size, ctx)  # [B, ctx]
 
     def batch(i: int) -> torch.Tensor:
@@ -211,7 +212,7 @@ class HarnessAdapter:
         self.prefix = self.bos if self.bos is not None else (generator.eos_ids or [0])[0]
         self.device = self.model.tok_embeddings.weight.device
         # one cache for every request: scoring inputs and prompt + generated tokens are at most max_length long
-        generator.reserve(batch_size, max_length)
+        generator.reserve(batch_size, max_length, "lower `batch_size` or `ctx`", tokens=max_length)
 
     def encode(self, text: str) -> list:
         return ([self.bos] if self.bos is not None else []) + self.tokenizer.encode(text)
@@ -328,15 +329,21 @@ def harness_model(adapter: HarnessAdapter):
     return FastgenLM()
 
 
-def run_tasks(adapter: HarnessAdapter, tasks: list, include_path: Optional[Path] = None) -> dict:
-    """lm_eval.simple_evaluate of `tasks` (names, from lm-eval's own tasks or the YAML files under include_path)
-    on the adapter's model. Returns lm-eval's results: {task: {metric: value}}, and prints its table."""
+def task_manager(tasks: list, include_path: Optional[Path] = None):
+    """lm-eval's task manager, with every name in `tasks` known to it (checked before any long work starts)."""
     lm_eval = import_lm_eval()
     manager = lm_eval.tasks.TaskManager(include_path=str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or under `include_path` {include_path}" if include_path else " (add `include_path` DIR for yours)"
         raise UserError(f"unknown `tasks`: {', '.join(unknown)}: name tasks lm-eval knows{where}")
+    return manager
+
+
+def run_tasks(adapter: HarnessAdapter, tasks: list, include_path: Optional[Path] = None) -> dict:
+    """lm_eval.simple_evaluate of `tasks` (names, from lm-eval's own tasks or the YAML files under include_path)
+    on the adapter's model. Returns lm-eval's results: {task: {metric: value}}, and prints its table."""
+    lm_eval, manager = import_lm_eval(), task_manager(tasks, include_path)
     results = lm_eval.simple_evaluate(model=harness_model(adapter), tasks=tasks, task_manager=manager,
                                       log_samples=False)
     from lm_eval.utils import make_table
@@ -428,6 +435,8 @@ def run(settings: Settings, say=print) -> dict:
             raise UserError(f"`base` {settings.base} does not share the tokenizer and vocabulary of "
                             f"{checkpoint}: compare two checkpoints of the same model")
 
+    if settings.tasks:
+        task_manager(settings.tasks, settings.include_path)  # an unknown name is refused before the perplexity run
     t0 = time.perf_counter()
     generator = Generator.build(checkpoint, settings.device, settings.dtype, compile=settings.compile)
     base = load_model(settings.base, settings.device, torch.float32) if settings.base is not None else None

@@ -138,9 +138,11 @@ def read_line(question: str) -> str:
     if sys.stdin is None:
         raise EOFError
     try:
-        return input(question)
-    except UnicodeDecodeError:
+        line = input(question)
+        line.encode("utf-8")  # undecodable bytes can arrive as lone surrogates (stdin's "surrogateescape" handler)
+    except (UnicodeDecodeError, UnicodeEncodeError):
         raise UserError("standard input is not UTF-8 text: pass the questions in UTF-8") from None
+    return line
 
 
 def lost_peer(e: Exception):

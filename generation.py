@@ -195,20 +195,31 @@ def cache_bytes(model: Transformer, batch_size: int, length: int) -> tuple:
     return kv, rope
 
 
+def forward_bytes(model: Transformer, batch_size: int, tokens: int) -> int:
+    """About the most one forward of `tokens` per row holds at once: its float32 logits [B, T, vocab] and a block's
+    widest activations (the feed-forward's two [B, T, hidden] halves and the attention's [B, T, 4 * dim])."""
+    a = model.args
+    return batch_size * tokens * (a.vocab_size + 2 * a.intermediate_size + 4 * a.dim) * 4
+
+
 def reserve_caches(model: Transformer, batch_size: int, length: int, draft: Optional[Transformer] = None,
-                   fix: str = "lower `batch_size` or `max_new_tokens`"):
+                   fix: str = "lower `batch_size` or `max_new_tokens`", tokens: int = 0):
     """model.setup_caches(batch_size, length), refused with one line naming the setting to lower where the caches
-    (the draft's too, which the drafter allocates later at the same size) would not fit in memory."""
+    (the draft's too, which the drafter allocates later at the same size) and the first forward over `tokens` per
+    row (the prompt's) would not fit in memory."""
     kv, rope = cache_bytes(model, batch_size, length)
     if draft is not None:
         kv, rope = (a + b for a, b in zip((kv, rope), cache_bytes(draft, batch_size, length)))
+    work = forward_bytes(model, batch_size, tokens)
     what = f"the KV cache of {batch_size} rows x {length} positions"
-    if rope > kv:  # the context the config claims, not the run's settings
+    if work:
+        what += f" and the first forward over {batch_size} x {tokens} tokens"
+    if rope > kv + work:  # the context the config claims, not the run's settings
         config = Path(getattr(model, "checkpoint_path", "model.pth")).parent / "config.json"
         what = f"the RoPE table of {model.args.block_size} positions (max_position_embeddings in {config})"
         fix = f"lower max_position_embeddings in {config} to the context the model was trained for"
     device = model.tok_embeddings.weight.device
-    check_memory(kv + rope, device, what, fix)
+    check_memory(kv + rope + work, device, what, fix)
     model.setup_caches(batch_size, length)
 
 
@@ -278,9 +289,10 @@ class Speculation:
             raise UserError(f"`draft_ngram` {self.draft_ngram}: use N between 2 and 16 (longer contexts rarely recur)")
         limit = min(MAX_TREE_NODES, max(1, (max_seq_length or 4 * MAX_TREE_NODES) // 4))
         if self.nodes > limit:
+            why = f"{MAX_TREE_NODES}, and a quarter of its {max_seq_length}-token context" if max_seq_length else \
+                "the most a step verifies"
             raise UserError(f"`tree_nodes` / `speculate_k` of {self.nodes} is more than this model can use (at most "
-                            f"{limit}: {MAX_TREE_NODES}, and a quarter of its {max_seq_length}-token context): "
-                            f"lower it")
+                            f"{limit}: {why}): lower it")
 
 
 def make_speculator(speculation: Speculation, draft: Optional[Engine], max_seq_length: int, head=None):
@@ -415,13 +427,14 @@ class Generator:
     def lookahead(self) -> int:
         return self.speculator.lookahead if self.speculator else 0
 
-    def reserve(self, batch_size: int, max_tokens: int, fix: str = "lower `batch_size` or `max_new_tokens`"):
+    def reserve(self, batch_size: int, max_tokens: int, fix: str = "lower `batch_size` or `max_new_tokens`",
+                tokens: int = 0):
         """Allocate the caches for `batch_size` rows of up to max_tokens (prompt + new) once: a cache that grew
         later would change the compiled graphs' shapes and compile them again. `fix`: what to lower where they
-        would not fit in memory, in the caller's terms."""
+        (and a forward over `tokens` per row) would not fit in memory, in the caller's terms."""
         drafter = getattr(self.speculator, "drafter", None)
         reserve_caches(self.model, batch_size, max_tokens + 1 + self.lookahead, getattr(drafter, "draft_model", None),
-                       fix)
+                       fix, tokens)
 
     def encode(self, prompt: str, chat: bool = False, seed: int = 0) -> list:
         return encode_prompt(prompt, self.tokenizer, self.model.args.vocab_size, seed, chat)
@@ -450,7 +463,8 @@ def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eo
     prompts = [list(p) for p in prompt] if isinstance(prompt, list) else [prompt.tolist()] * batch_size
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = max(len(p) for p in prompts)
-    reserve_caches(model, len(prompts), T + max_new_tokens + (speculator.lookahead if speculator else 0) + 1)
+    reserve_caches(model, len(prompts), T + max_new_tokens + (speculator.lookahead if speculator else 0) + 1,
+                   tokens=T)
     x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # [B, T], right-padded
     input_pos = torch.arange(T, device=device).expand(len(prompts), T)  # [B, T]
     features = None

@@ -331,11 +331,13 @@ def quantize_checkpoint(checkpoint_path: Path, mode: str, groupsize=None) -> Pat
         raise UserError(f"{path} is already quantized ({state_dict['quantization'].get('mode')}): "
                         f"quantize the full-precision model.pth instead")
     check_state_dict(state_dict, args, path)
+    out = output_path(path, scheme)
+    if out.exists() and not out.is_file():  # checked before the work (the write would name its temp file)
+        raise UserError(f"{out}, where the {mode} copy goes, exists and is not a file: move it away")
     try:
         quantized = quantize_state_dict(state_dict, args, scheme)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
-    out = output_path(path, scheme)
     write_atomically(out, lambda tmp: torch.save({"quantization": scheme, "model": quantized}, tmp))
     return out
 

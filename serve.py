@@ -24,6 +24,7 @@ import math
 import re
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -574,6 +575,16 @@ def field_of(body: dict, name: str, kinds, default=None, check=None, explain: st
     return value
 
 
+def check_text(text: str, where: str) -> str:
+    """`text` if it is Unicode text: JSON escapes can carry lone surrogates ("\\ud800"), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"`{where}` holds a lone surrogate at character {e.start}: not Unicode text", where,
+                       "invalid_value") from None
+    return text
+
+
 def read_settings(body: dict, chat: bool) -> dict:
     """The generation settings of a request body, each checked (400 naming the field)."""
     number = (int, float)
@@ -588,6 +599,8 @@ def read_settings(body: dict, chat: bool) -> dict:
                                  and all(isinstance(s, str) and s for s in stop)):
         raise ApiError(400, f"`stop` must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
                        "stop", "invalid_value")
+    for s in stop or []:
+        check_text(s, "stop")
     max_tokens = field_of(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                           (int,), None, lambda v: v >= 1, "an integer >= 1")
     options = field_of(body, "stream_options", (dict,), {}, None, "an object")
@@ -625,7 +638,7 @@ def read_messages(body: dict) -> list:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"`{where}.content` must be a string", f"{where}.content", "invalid_value")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": check_text(m["role"], f"{where}.role"), "content": check_text(content, f"{where}.content")})
     return out
 
 
@@ -775,7 +788,7 @@ def create_app(service: Service):
                 prompt = prompt[0]
             if not isinstance(prompt, str):
                 raise ApiError(400, "`prompt` must be a string", "prompt", "invalid_value")
-            prompt_ids = scheduler.tokenizer.encode_prompt(prompt)
+            prompt_ids = scheduler.tokenizer.encode_prompt(check_text(prompt, "prompt"))
         context = scheduler.context
         if not prompt_ids or len(prompt_ids) >= context:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server's context is {context} tokens "
@@ -860,10 +873,14 @@ async def read_body(request) -> bytes:
                 raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes, the most this server reads",
                                None, "request_too_large")
             chunks.append(chunk)
+    from starlette.requests import ClientDisconnect
     try:
         await asyncio.wait_for(read(), BODY_SECONDS)
     except asyncio.TimeoutError:
         raise ApiError(408, f"the body did not arrive within {BODY_SECONDS:g} s", None, "request_timeout") from None
+    except ClientDisconnect:  # no one to answer; an error response ends the handler without a traceback
+        raise ApiError(400, "the client closed the connection before its body arrived", None,
+                       "client_disconnected") from None
     return b"".join(chunks)
 
 
@@ -969,6 +986,21 @@ def check_args(args: argparse.Namespace):
         raise UserError(f"checkpoint not found: {args.checkpoint_path}: pass a model.pth file")
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use or a host that does not resolve is one line
+    (uvicorn, binding it later in its thread, logged the error and left the process serving nothing)."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart reuses the port
+        sock.bind(address)
+    except OSError as e:  # in use, not an address of this machine, a host that does not resolve
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def main(argv=None) -> int:
     """The model runs in the main thread (inductor's CPU GEMM templates compile only there), uvicorn in another."""
     import uvicorn
@@ -979,24 +1011,42 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    try:
+        sock = listen(args.host, args.port)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     service = Service(args.checkpoint_path.parent.name, args.api_key)
     server = uvicorn.Server(uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
-    serving = threading.Thread(target=server.run, name="http", daemon=True)
-    serving.start()
-    terminated = []
+    terminated, stopping = [], []
 
-    def terminate(signum, frame):
+    def stop():
         # stop taking requests and end the in-flight ones, so that their connections close and uvicorn exits
-        terminated.append(signum)
+        stopping.append(True)
         if service.scheduler is not None:
             service.scheduler.stop()
         server.should_exit = True
 
+    def terminate(signum, frame):
+        terminated.append(signum)
+        stop()
+
+    def serve():
+        try:
+            server.run(sockets=[sock])
+        finally:
+            if not server.should_exit:  # uvicorn stopped on its own: nothing would ever reach the model
+                service.failed = service.failed or "the HTTP server stopped"
+                stop()
+
+    serving = threading.Thread(target=serve, name="http", daemon=True)
+    serving.start()
+
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
     scheduler = service.load(lambda: build_scheduler(args))
-    if scheduler is not None and not terminated:
+    if scheduler is not None and not stopping:
         threading.Thread(target=service.warm_up, name="warm-up", daemon=True).start()
         scheduler.loop()
     server.should_exit = True

@@ -519,6 +519,8 @@ def main(argv=None):
         raise UserError("`text_chars` must be >= 0")
     if not args.epochs > 0 or not args.max_minutes > 0:
         raise UserError("`epochs` and `max_minutes` must be > 0")
+    if not 0 < args.lr < math.inf:  # AdamW would refuse it only after the distilling
+        raise UserError(f"`lr` must be a positive number, got {args.lr}")
     if not 0 <= args.chat_share <= 1:
         raise UserError("`chat_share` must be between 0 and 1")
     if not args.checkpoint_path.is_file():

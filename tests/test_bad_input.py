@@ -373,6 +373,8 @@ CASES = [
     here(quant("quantize_groupsize_unsupported", "--mode", "int4", "--groupsize", "100", expect=["--groupsize"],
                status=2)),
     here(quant("quantize_groupsize_with_int8", "--mode", "int8", "--groupsize", "32", expect=["--groupsize"])),
+    here(quant("quantize_output_is_a_directory", expect=["{ckpt}/model_int8.pth", "not a file"],
+               setup=lambda w: (w.ckpt / "model_int8.pth").mkdir())),
     quant("quantize_keeps_previous_output", expect=["{ckpt}/config.json"],  # an earlier model_int8.pth survives
           setup=lambda w: (w.config(hidden_size=128), (w.ckpt / "model_int8.pth").write_bytes(b"earlier result"))),
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import errors
 import generation
 import tokenizer
 from helpers import ROOT, cli
@@ -311,3 +312,66 @@ def test_ctrl_c_while_any_command_imports_is_one_line(command, tmp_path):
     result = subprocess.run([sys.executable, command], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 130 and result.stderr.strip() == "error: interrupted", result.stderr
+
+
+def test_the_prompts_forward_beyond_memory_is_refused_before_it_runs(random_target, monkeypatch):
+    """The first forward holds [B, T, vocab] logits: a batch whose caches fit but whose prompt forward does not was
+    killed by the kernel's out-of-memory killer with no word; it is refused with the flags to lower."""
+    model = generation.load_model(random_target)
+    caches = sum(generation.cache_bytes(model, 64, 96))
+    work = generation.forward_bytes(model, 64, 80)
+    assert work > model.args.vocab_size * 64 * 80 * 4
+    monkeypatch.setattr(generation, "available_memory", lambda device: caches + work // 2)
+    with pytest.raises(errors.UserError, match="first forward over 64 x 80 tokens.*`batch_size`"):
+        generation.reserve_caches(model, 64, 96, tokens=80)
+    assert model.max_batch_size < 64  # nothing allocated
+    monkeypatch.setattr(generation, "available_memory", lambda device: caches + work + 1)
+    generation.reserve_caches(model, 64, 96, tokens=80)
+    assert model.max_batch_size == 64
+
+
+def test_eval_refuses_an_unknown_task_and_a_batch_beyond_memory_before_scoring(random_target, tmp_path, monkeypatch):
+    """An unknown lm-eval task was named only after the whole perplexity run; eval's caches were allocated unchecked
+    (a huge --batch_size was killed by the kernel), and a batch larger than the text's chunks only held memory."""
+    pytest.importorskip("lm_eval")
+    import eval as evaluation
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat and looked at the dog. " * 200)
+    scored = []
+    monkeypatch.setattr(evaluation, "perplexity", lambda *a, **k: scored.append(1))
+    settings = evaluation.Settings(checkpoint_path=str(random_target), text=str(text), ctx=64, tasks=["nosuchtask"])
+    with pytest.raises(errors.UserError, match="nosuchtask"):
+        evaluation.run(settings, say=lambda *a: None)
+    assert not scored
+    monkeypatch.undo()
+    model = generation.load_model(random_target)
+    tokens = list(range(5, 5 + 64 * 6))
+    capped = evaluation.perplexity(model, tokens, 64, batch_size=10**9)
+    assert capped["perplexity"] == pytest.approx(evaluation.perplexity(model, tokens, 64, batch_size=6)["perplexity"])
+    monkeypatch.setattr(generation, "available_memory", lambda device: 1024)
+    with pytest.raises(errors.UserError, match="`batch_size` or `ctx`"):
+        evaluation.perplexity(generation.load_model(random_target), tokens, 64, batch_size=6)
+
+
+def test_chat_input_that_is_not_utf8_is_one_line(monkeypatch):
+    """stdin hands undecodable bytes over as lone surrogates (surrogateescape), which the tokenizer cannot encode."""
+    import generate
+    monkeypatch.setattr("builtins.input", lambda question: "caf\udce9")
+    with pytest.raises(errors.UserError, match="not UTF-8"):
+        generate.read_line("? ")
+
+
+def test_too_many_draft_tokens_before_the_model_is_known_says_the_limit():
+    with pytest.raises(errors.UserError) as e:
+        generation.Speculation(1000).check(True)
+    assert "at most 256" in str(e.value) and "None" not in str(e.value)
+
+
+def test_train_draft_head_refuses_a_learning_rate_before_distilling(random_target, tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_draft_head
+    for lr in ("nan", "-1", "0", "inf"):
+        with pytest.raises(errors.UserError, match="`lr`"):
+            train_draft_head.main(["--checkpoint_path", str(random_target), "--out", str(tmp_path / "head"),
+                                   "--lr", lr])
+    assert not (tmp_path / "head").exists()

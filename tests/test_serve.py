@@ -1,5 +1,6 @@
 """serve.py: the OpenAI API over continuous batching. Servers run in this process (uvicorn in a thread, a free
 loopback port); each answer is checked against the library's own output for that prompt alone."""
+import asyncio
 import collections
 import dataclasses
 import http.client
@@ -330,6 +331,13 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", 3]}, 400, "stop"),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested past the JSON parser's recursion
+    # JSON escapes of lone surrogates: strings no tokenizer encodes (they were a 500 with a traceback)
+    ("/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\udfff"], "max_tokens": 2}', 400, "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "caf\\udce9"}]}', 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}, {"role": "\\ud83d", "content": ""}],'
+     b' "stream": true}', 400, "messages[1].role"),
 ]
 
 
@@ -387,6 +395,40 @@ def test_unknown_path_is_an_openai_style_404(server):
 
 def test_binds_loopback_unless_told():
     assert serve.parse_args([]).host == "127.0.0.1"
+
+
+def test_a_port_it_cannot_listen_on_is_one_line_before_loading(random_target, capsys, monkeypatch):
+    """uvicorn bound the port in its own thread after the model loaded: on a port in use it logged an error and the
+    process went on serving nothing, forever; a port out of range was a traceback and the same hang."""
+    loaded = []
+    monkeypatch.setattr(serve, "build_scheduler", lambda args: loaded.append(1))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        for flags, expect in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                              (["--port", "99999"], "--port must be in [0, 65535]"),
+                              (["--port", "8000", "--host", "no.such.host.invalid"], "no.such.host.invalid")):
+            capsys.readouterr()
+            assert serve.main(["--checkpoint_path", str(random_target), *flags]) == 1
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], lines
+    assert not loaded
+
+
+def test_a_client_gone_before_its_body_arrives_ends_the_handler_quietly():
+    """A body cut short by the client (ClientDisconnect) was an ASGI traceback in the log."""
+    from starlette.requests import ClientDisconnect
+
+    class Gone:
+        headers = {"content-length": "100"}
+
+        async def stream(self):
+            yield b'{"prompt"'
+            raise ClientDisconnect()
+    with pytest.raises(serve.ApiError) as e:
+        asyncio.run(serve.read_body(Gone()))
+    assert e.value.status == 400 and e.value.code == "client_disconnected"
 
 
 def test_health_is_503_while_loading(random_target):
