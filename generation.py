@@ -643,6 +643,10 @@ class Settings:
         for name in ("stats_json", "profile"):
             if getattr(self, name) is not None:
                 check_output_file(Path(getattr(self, name)), name)
+        if self.profile is not None and self.stats_json is not None and \
+                Path(self.profile).resolve() == Path(self.stats_json).resolve():
+            raise UserError(f"`profile` and `stats_json` name the same file {self.profile}: the stats would overwrite "
+                            f"the trace; name two files")
         self.speculation.check(self.draft_checkpoint_path is not None or self.draft_head is not None)
 
     @property

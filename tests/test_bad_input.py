@@ -335,6 +335,7 @@ CASES = [
         setup=lambda w: (w.out / "file.txt").write_text("notes\n")),
     here(gen("stats_json_dir_missing", "--stats_json", "{out}/missing/x.json",
              expect=["--stats_json", "{out}/missing"])),
+    here(gen("profile_is_the_stats_json", "--profile", "{out}/stats.json", expect=["--profile", "--stats_json"])),
     gen("stats_json_in_sys", "--stats_json", "/sys/x.json", expect=["--stats_json", "/sys"]),
     here(gen("stats_json_in_proc", "--stats_json", "/proc/x.json", expect=["--stats_json", "/proc"])),
     gen("stats_json_read_only_dir", "--stats_json", "{out}/ro/x.json", expect=["--stats_json", "{out}/ro"],
