@@ -355,10 +355,9 @@ def test_eval_refuses_an_unknown_task_and_a_batch_beyond_memory_before_scoring(r
 
 def test_chat_input_that_is_not_utf8_is_one_line(monkeypatch):
     """stdin hands undecodable bytes over as lone surrogates (surrogateescape), which the tokenizer cannot encode."""
-    import generate
     monkeypatch.setattr("builtins.input", lambda question: "caf\udce9")
     with pytest.raises(errors.UserError, match="not UTF-8"):
-        generate.read_line("? ")
+        cli.read_line("? ")
 
 
 def test_too_many_draft_tokens_before_the_model_is_known_says_the_limit():
