@@ -711,7 +711,14 @@ def run(settings: Settings, say=print, questions=None) -> dict:
         prompt_ids = max(ids, key=len)
     if not prompt_ids or (batches and not all(map(len, ids))):
         raise UserError("the `prompt` is empty and this tokenizer adds no BOS token: give a prompt with text")
-    check_fits(len(prompt_ids), settings.max_new_tokens, model.args.block_size)
+    try:
+        check_fits(len(prompt_ids), settings.max_new_tokens, model.args.block_size)
+    except UserError as e:
+        if not batches:
+            raise
+        longest = ids.index(prompt_ids) + 1
+        raise UserError(f"`prompts_file` {settings.prompts_file}, its prompt {longest} (the longest; blank lines not "
+                        f"counted): {e}") from None
     quantization = f" (quantization: {model.quantization['mode']})" if model.quantization else ""
     say(f"Loaded {settings.checkpoint_path} in {load_seconds:.2f} s{quantization}"
         f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")

@@ -264,6 +264,14 @@ def test_prompts_file_rows_in_stats_json(random_target, tmp_path):
     assert len(stats["samples"]) == 2 and stats["samples"][0]["rows"] == 2
 
 
+def test_a_prompts_file_prompt_too_long_is_named(random_target, tmp_path):
+    """The context check ran on the longest prompt without saying which one it was."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main(\n\n" + "y " * 600 + "\nHello\n")
+    with pytest.raises(UserError, match=r"--prompts_file .*prompts.txt, its prompt 2 \(the longest"):
+        cli.main(["--checkpoint_path", str(random_target), "--prompts_file", str(prompts), "--max_new_tokens", "8"])
+
+
 # ----------------------------------------------------------------------------- failures of the machine, odd inputs
 
 def test_a_tiny_temperature_decodes_greedily(random_target):
