@@ -12,10 +12,12 @@
 `tokenizer.json` is used as it is; `tokenizer.model` (sentencepiece) is converted as transformers 5 converts it for
 LlamaTokenizer. The rules that make the ids match transformers' are in docs/tokenizers-and-chat.md.
 """
+import contextlib
 import inspect
 import json
 import re
 import string
+import sys
 import threading
 import time
 from datetime import datetime
@@ -170,10 +172,11 @@ class Tokenizer:
             compiled = compile_template(template)
             budget = compiled.environment.start_budget()
             chunks = []
-            for chunk in compiled.generate(messages=messages, tools=None, documents=None,
-                                           add_generation_prompt=add_generation_prompt, **self.special_tokens):
-                budget.spend(0, len(chunk))
-                chunks.append(chunk)
+            with watching(budget):
+                for chunk in compiled.generate(messages=messages, tools=None, documents=None,
+                                               add_generation_prompt=add_generation_prompt, **self.special_tokens):
+                    budget.spend(0, len(chunk))
+                    chunks.append(chunk)
             return "".join(chunks)
         except TemplateLimit as e:
             raise UserError(f"chat template in {source} {e}: fix or replace the template (a template renders one "
@@ -390,6 +393,30 @@ class TemplateBudget:
         self.spend()
         if size > TEMPLATE_CHARS:
             raise TemplateLimit(f"builds a value of more than {TEMPLATE_CHARS} characters or items ({what})")
+
+
+@contextlib.contextmanager
+def watching(budget: TemplateBudget, every: int = 1024):
+    """The template's own lines traced while it renders, the clock read every `every` of them: a loop whose body
+    calls nothing (`{% for x in s %}{% for y in s %}{% endfor %}{% endfor %}`) spends from no other hook and would
+    run for hours. Only the template's frames are traced (jinja compiles it to code named "<template>")."""
+    lines = [0]
+
+    def line(frame, event, arg):
+        if event == "line":
+            lines[0] += 1
+            if lines[0] % every == 0:
+                budget.spend()
+        return line
+
+    def call(frame, event, arg):
+        return line if frame.f_code.co_filename == "<template>" else None
+    before = sys.gettrace()
+    sys.settrace(call)
+    try:
+        yield
+    finally:
+        sys.settrace(before)
 
 
 def size_of(value) -> int:

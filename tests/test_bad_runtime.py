@@ -137,6 +137,21 @@ def test_costly_chat_template_fails_fast(template, limit, random_target, tmp_pat
     assert_one_line(result, f"chat template in {checkpoint.parent / 'tokenizer_config.json'}", limit, bound=8)
 
 
+@pytest.mark.parametrize("template", [
+    "{% set s = 'a' * 16000000 %}{% for x in s %}{% for y in s %}{% endfor %}{% endfor %}hi",
+    "{% set s = [0] * 16000000 %}{% for x in s %}{% for y in s %}{% endfor %}{% endfor %}hi",
+], ids=["string", "list"])
+def test_a_template_loop_that_calls_nothing_still_runs_out_of_time(template, monkeypatch):
+    """No call, filter, operator or output inside the loops: only the traced lines see the clock (this hung
+    generate.py, and a server's event loop, for hours)."""
+    monkeypatch.setattr(tokenizer, "TEMPLATE_SECONDS", 0.5)
+    before, t0 = sys.gettrace(), time.monotonic()
+    with pytest.raises(errors.UserError, match="runs longer than 0.5 s"):
+        TemplateOnly(template).render_chat([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - t0 < 5
+    assert sys.gettrace() is before  # the tracer is taken off
+
+
 class TemplateOnly(tokenizer.Tokenizer):
     """A tokenizer with nothing but a chat template: render_chat alone, in this process."""
     def __init__(self, template):
