@@ -19,6 +19,28 @@ from errors import UserError
 from kernels import a8_kernels, attention, pack_weight, packed_linear
 
 
+LLAMA_FAMILY = ("llama", "mistral")  # the model types whose layers are ours: others differ in norms or attention
+
+
+def check_llama_family(cfg: dict, source):
+    """A config whose model computes what this Llama computes: another architecture (Gemma's norms and embedding
+    scale), another activation or a sliding attention window would load into our shapes and give wrong logits."""
+    kind = cfg.get("model_type")
+    if kind is not None and kind not in LLAMA_FAMILY:
+        raise UserError(f"{source}: model_type {kind!r} is not one this Llama runs ({', '.join(LLAMA_FAMILY)}): "
+                        f"its layers compute something else; use a Llama-family checkpoint")
+    act = cfg.get("hidden_act", cfg.get("hidden_activation"))
+    if act is not None and act not in ("silu", "swish"):
+        raise UserError(f"{source}: hidden_act {act!r}: this Llama's feed-forward is SwiGLU (silu); use a checkpoint "
+                        f"trained with it")
+    window, context = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
+    if isinstance(window, int) and not isinstance(window, bool) and cfg.get("use_sliding_window", True) \
+            and (context is None or window < context):
+        raise UserError(f"{source}: attention slides over {window} tokens, this Llama attends to the whole context: "
+                        f"set max_position_embeddings to {window} (exact within the window) or remove "
+                        f"sliding_window")
+
+
 @dataclass
 class ModelArgs:
     dim: int = 4096
@@ -68,6 +90,7 @@ class ModelArgs:
         if cfg["num_attention_heads"] % n_kv:
             raise UserError(f"{source}: num_attention_heads={cfg['num_attention_heads']} is not a multiple of "
                             f"num_key_value_heads={n_kv}: fix config.json")
+        check_llama_family(cfg, source)
         # transformers >= 5 writes `rope_parameters` (holding rope_theta too) instead of rope_scaling
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         if not isinstance(rope, dict):

@@ -5,6 +5,7 @@ converts it, and runs our model.Transformer on the result. Nothing is downloaded
 """
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -361,3 +362,26 @@ def test_download_asks_for_config_tokenizer_and_safetensors_only(tmp_path, monke
     assert seen["token"] == "hf_from_env"
     assert {"config.json", "tokenizer.model", "tokenizer.json", "*.safetensors"} <= set(seen["allow_patterns"])
     assert not any(p.endswith(".bin") or p.endswith(".pth") for p in seen["allow_patterns"])
+
+
+@pytest.mark.parametrize("change, expect", [
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type 'gemma'"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"model_type": "mistral", "sliding_window": 4, "max_position_embeddings": 256}, "slides over 4 tokens"),
+], ids=["gemma", "gelu", "sliding_window"])
+def test_configs_of_models_this_llama_does_not_compute_are_refused(change, expect):
+    """These converted and loaded into Llama's shapes, and gave wrong logits (Gemma's by up to 19 on a scale of 23)."""
+    config = dict(ModelArgs(dim=64, n_layer=2, n_head=4, vocab_size=512, block_size=256).to_hf_config(), **change)
+    with pytest.raises(UserError, match=re.escape(expect)):
+        ModelArgs.from_hf_config(config)
+
+
+@pytest.mark.parametrize("change", [
+    {"model_type": "mistral", "sliding_window": None},
+    {"model_type": "mistral", "sliding_window": 256, "max_position_embeddings": 256},  # the window holds it all
+    {"model_type": "mistral", "sliding_window": 4, "use_sliding_window": False},
+    {"hidden_act": "silu"},
+])
+def test_llama_family_configs_still_load(change):
+    config = dict(ModelArgs(dim=64, n_layer=2, n_head=4, vocab_size=512, block_size=256).to_hf_config(), **change)
+    assert ModelArgs.from_hf_config(config).dim == 64
