@@ -166,8 +166,7 @@ def main(argv=None):
     sampling = decode.Sampling(args.temperature)
     k, nodes = args.k, args.tree_nodes
     configs = {f"chain K={k}": (k, None), f"tree N={nodes} K={k}": (k, nodes), "chain K=auto": ("auto", None)}
-    if args.only is not None:
-        configs = {name: c for name, c in configs.items() if name in args.only.split(",")}
+    configs = benchlib.pick(configs, args.only)
     draft_engine = decode.compile_engine(draft, "cpu", mode) if configs else None
     rows = []
     for batch in sizes:

@@ -114,7 +114,7 @@ def main(argv=None):
         variant, target, draft = args.child
         print(json.dumps(child(variant, target, draft or None, args.new_tokens, args.repeats)))
         return
-    variants = args.only.split(";") if args.only else VARIANTS
+    variants = benchlib.pick(VARIANTS, args.only, ";")
     rows = []
     for label, target, draft in MODELS:
         if not target.is_file():

@@ -191,9 +191,7 @@ def main(argv=None):
                 configs["llama.cpp Q8_0"] = lambda: llama_cpp_run(benchlib.requantized_q8_0(args.gguf), threads, eos)
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp column", flush=True)
-    if args.only:
-        wanted = set(args.only.split(";"))
-        configs = {name: build for name, build in configs.items() if name in wanted}
+    configs = benchlib.pick(configs, args.only, ";")
 
     built, compile_seconds, best, outputs = {}, {}, {}, {}
     for name, build in configs.items():  # build and warm up (compile) each, timing the first run

@@ -60,9 +60,17 @@ def ms_per_call(fn, logits, sampling, calls: int, repeats: int) -> float:
     return best * 1e3
 
 
+def vocab_sizes(text: str) -> list:
+    """--vocab_sizes: comma-separated integers >= 2 (argparse turns the ValueError into its one usage line)."""
+    sizes = [int(v) for v in text.split(",")]
+    if min(sizes) < 2:
+        raise ValueError(text)
+    return sizes
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vocab_sizes", default="4096,49152,128256", help="the tiny pair, SmolLM2, Llama 3")
+    p.add_argument("--vocab_sizes", type=vocab_sizes, default="4096,49152,128256", help="the tiny pair, SmolLM2, Llama 3")
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
@@ -76,7 +84,7 @@ def main(argv=None):
                 "ours": lambda logits, sampling: decode.sample(logits, sampling)[0]}
     compiled = {name: torch.compile(fn, dynamic=False) for name, fn in samplers.items()}
     rows = []
-    for vocab in [int(v) for v in args.vocab_sizes.split(",")]:
+    for vocab in args.vocab_sizes:
         logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 3  # [1, V]
         for label, sampling in settings.items():
             row = {"vocab": vocab, "sampling": label}

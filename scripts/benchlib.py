@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 import generation  # noqa: E402
-from errors import write_atomically  # noqa: E402
+from errors import UserError, write_atomically  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -180,6 +180,21 @@ def fmt(value) -> str:
 def write_json(path: Path, data: dict):
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"))
     print(f"wrote {path}")
+
+
+def pick(configs, only: str, separator: str = ","):
+    """The configurations (a dict's items or a list) that --only names, all where it names none; a name that matches
+    nothing is refused before any timing (it used to run the baselines for minutes and print an empty table)."""
+    if not only:
+        return configs
+    names = [name.strip() for name in only.split(separator) if name.strip()]
+    unknown = [name for name in names if name not in configs]
+    if unknown:
+        raise UserError(f"--only {separator.join(unknown)!r} names no configuration here; choose from: "
+                        f"{separator.join(configs)}")
+    if isinstance(configs, dict):
+        return {name: config for name, config in configs.items() if name in names}
+    return [name for name in configs if name in names]
 
 
 def requantized_q8_0(gguf: Path) -> Path:

@@ -389,3 +389,14 @@ def test_train_draft_head_refuses_a_learning_rate_before_distilling(random_targe
             train_draft_head.main(["--checkpoint_path", str(random_target), "--out", str(tmp_path / "head"),
                                    "--lr", lr])
     assert not (tmp_path / "head").exists()
+
+
+def test_a_benchmark_only_that_names_nothing_is_refused_before_timing():
+    """`--only` with a name that matches no configuration ran the baselines for minutes, then an empty table."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchlib
+    configs = {"chain K=5": 1, "chain K=auto": 2}
+    assert benchlib.pick(configs, "") == configs and benchlib.pick(configs, "chain K=auto") == {"chain K=auto": 2}
+    assert benchlib.pick(["eager", "regional"], "regional", ";") == ["regional"]
+    with pytest.raises(errors.UserError, match="'nomatch' names no configuration here; choose from: chain K=5"):
+        benchlib.pick(configs, "chain K=5,nomatch")
