@@ -604,6 +604,11 @@ def read_settings(body: dict, chat: bool) -> dict:
     max_tokens = field_of(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                           (int,), None, lambda v: v >= 1, "an integer >= 1")
     options = field_of(body, "stream_options", (dict,), {}, None, "an object")
+    if options and body.get("stream") is not True:
+        raise ApiError(400, "`stream_options` is only allowed with `stream`: true", "stream_options", "invalid_value")
+    if options.get("include_usage") not in (None, True, False):
+        raise ApiError(400, f"`stream_options.include_usage` must be true or false, got "
+                       f"{json.dumps(options['include_usage'])[:80]}", "stream_options.include_usage", "invalid_value")
     return {
         "max_tokens": max_tokens if max_tokens is not None else (None if chat else 16),
         "temperature": field_of(body, "temperature", number, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]"),
@@ -912,6 +917,7 @@ async def stream(r: Request, events: asyncio.Queue, watcher, scheduler: Schedule
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        extra = ({"usage": None} if include_usage else {}) | extra  # OpenAI's chunks say so until the last
         return f"data: {json.dumps(dict(meta, object=kind_name, choices=[choice], **extra))}\n\n"
 
     try:

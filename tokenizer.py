@@ -77,6 +77,8 @@ class Tokenizer:
         self.vocab_size = processor.get_vocab_size()
         self.chat_template, self.chat_template_source = None, None
         jinja_file = directory / "chat_template.jinja"  # transformers prefers it to the config's entry
+        if jinja_file.exists() and not jinja_file.is_file():
+            raise UserError(f"{jinja_file} is not a file: the chat template goes in it (or remove it)")
         if jinja_file.is_file():
             self.chat_template, self.chat_template_source = read_text(jinja_file), str(jinja_file)
         else:
@@ -177,7 +179,7 @@ class Tokenizer:
                                                add_generation_prompt=add_generation_prompt, **self.special_tokens):
                     budget.spend(0, len(chunk))
                     chunks.append(chunk)
-            return "".join(chunks)
+            text = "".join(chunks)
         except TemplateLimit as e:
             raise UserError(f"chat template in {source} {e}: fix or replace the template (a template renders one "
                             f"conversation in well under a second)") from None
@@ -189,6 +191,10 @@ class Tokenizer:
             raise UserError(f"chat template in {source} rejected the conversation: {e}") from None
         except Exception as e:
             raise UserError(f"chat template in {source} failed: {type(e).__name__}: {e}") from None
+        if not text:  # said here: later it would read "the prompt is empty", though the user gave one
+            raise UserError(f"chat template in {source} renders the conversation as nothing: fix or replace the "
+                            f"template")
+        return text
 
     def chat_ids(self, messages: list, add_generation_prompt: bool = True) -> list:
         """The rendered chat encoded as apply_chat_template(tokenize=True) encodes it: without added special

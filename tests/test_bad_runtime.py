@@ -400,3 +400,9 @@ def test_a_benchmark_only_that_names_nothing_is_refused_before_timing():
     assert benchlib.pick(["eager", "regional"], "regional", ";") == ["regional"]
     with pytest.raises(errors.UserError, match="'nomatch' names no configuration here; choose from: chain K=5"):
         benchlib.pick(configs, "chain K=5,nomatch")
+
+
+def test_a_template_that_renders_nothing_says_so():
+    """It was reported later as "the prompt is empty", though the user gave one."""
+    with pytest.raises(errors.UserError, match="renders the conversation as nothing"):
+        TemplateOnly("{% if false %}x{% endif %}").render_chat([{"role": "user", "content": "hi"}])

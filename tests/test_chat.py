@@ -72,6 +72,10 @@ def test_template_sources(dirs, tmp_path):
     tok = tokenizer.get_tokenizer(tmp_path)
     assert tok.render_chat(CONVERSATIONS[0]) == auto_tokenizer(tmp_path).apply_chat_template(
         CONVERSATIONS[0], tokenize=False) == "What is 12345 + 1?"  # jinja drops a final newline
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "chat_template.jinja").mkdir()  # was passed over in silence for the built-in format
+    with pytest.raises(UserError, match="chat_template.jinja is not a file"):
+        tokenizer.get_tokenizer(tmp_path)
 
 
 @pytest.mark.parametrize("template", ESCAPES)

@@ -168,6 +168,14 @@ def test_chat_stream_arrives_in_pieces_with_usage(server, library):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens == len(tokens) and not chunks[-1].choices
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= len(text) // 8
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)  # the raw events: as OpenAI's,
+    connection.request("POST", "/v1/chat/completions", json.dumps(  # every chunk but the last says "usage": null
+        {"messages": messages, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}),
+        {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    events = [json.loads(line[6:]) for line in connection.getresponse().read().decode().splitlines()
+              if line.startswith("data: {")]
+    connection.close()
+    assert all("usage" in e and e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"]
 
 
 def test_stop_strings_end_the_text_before_them(server, library):
@@ -331,6 +339,9 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", 3]}, 400, "stop"),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested past the JSON parser's recursion
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage"),
     # JSON escapes of lone surrogates: strings no tokenizer encodes (they were a 500 with a traceback)
     ("/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": "hi", "stop": ["\\udfff"], "max_tokens": 2}', 400, "stop"),
