@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import interruptible_imports, run_cli  # noqa: E402
+from errors import UserError, interruptible_imports, run_cli  # noqa: E402
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -165,6 +165,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if not args.skip_decode and not Path(args.checkpoint_path).is_file():  # before the products' timings
+        raise UserError(f"checkpoint not found: {args.checkpoint_path} (pass the fp32 model.pth, or --skip_decode)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not kernels.a8_kernels():
