@@ -362,6 +362,19 @@ def main(argv=None):
     int8_draft = generation.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"), precision=precision)
     draft_engines = {draft: draft_engine, None: None}  # draft model -> its engine, compiled once, on first use
 
+    sizes = [int(v) for v in args.tree_nodes.split(",")]
+    k, nodes, n = args.k, sizes[0], args.ngram
+    code_configs = {**{f"chain K={depth}": (draft, depth, None, 0) for depth in sorted({k, *args.chain_depths})},
+                    **{f"tree N={size} K={k}": (draft, k, size, 0) for size in sizes},
+                    f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n),
+                    "chain K=auto": (draft, "auto", None, 0), f"chain K={k}, int8 draft": (int8_draft, k, None, 0),
+                    f"{n}-gram tree N={nodes} K={k} (no draft)": (None, k, nodes, n)}
+    copy_configs = {} if args.no_copy else {  # draft-free n-gram drafting (and the draft model's, for reference)
+        f"{n}-gram tree N={args.ngram_nodes} K={args.ngram_k}": (None, args.ngram_k, args.ngram_nodes, n),
+        f"{n}-gram chain K={args.ngram_k}": (None, args.ngram_k, None, n),
+        f"chain K={k}": (draft, k, None, 0),
+        f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n)}
+    benchlib.pick({**code_configs, **copy_configs}, args.only)  # a name matching none: refused before any timing
     rows = []
     greedy = decode.Sampling(0.0)
     speeds = benchlib.time_interleaved(engine, {"target": None}, code_prompts, args.new_tokens, greedy, args.repeats)
@@ -403,16 +416,8 @@ def main(argv=None):
                   f"{row['tokens_per_target_forward']:.2f} tokens/target forward", flush=True)
         return base_tps
 
-    sizes = [int(v) for v in args.tree_nodes.split(",")]
-    k, nodes, n = args.k, sizes[0], args.ngram
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        trees = {f"tree N={size} K={k}": (draft, k, size, 0) for size in sizes}
-        chains = {f"chain K={depth}": (draft, depth, None, 0) for depth in sorted({k, *args.chain_depths})}
-        configs = {**chains, **trees,
-                   f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n),
-                   "chain K=auto": (draft, "auto", None, 0), f"chain K={k}, int8 draft": (int8_draft, k, None, 0),
-                   f"{n}-gram tree N={nodes} K={k} (no draft)": (None, k, nodes, n)}
-        base_tps = measure("code", temperature, code_prompts, configs)
+        base_tps = measure("code", temperature, code_prompts, code_configs)
         if hf_target is not None:
             hf_kwargs = {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
             for name, assistant in (("transformers", None), ("transformers assisted", hf_draft)):
@@ -427,12 +432,8 @@ def main(argv=None):
                 print(f"  code T={temperature} {name}: {tps:.1f} tok/s", flush=True)
 
     # copy task: draft-free n-gram drafting vs plain (and the draft model's chain and merged tree, for reference)
-    if not args.no_copy:
-        measure("copy", 0.0, copy_prompts, {
-            f"{n}-gram tree N={args.ngram_nodes} K={args.ngram_k}": (None, args.ngram_k, args.ngram_nodes, n),
-            f"{n}-gram chain K={args.ngram_k}": (None, args.ngram_k, None, n),
-            f"chain K={k}": (draft, k, None, 0),
-            f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n)})
+    if copy_configs:
+        measure("copy", 0.0, copy_prompts, copy_configs)
 
     columns = ["task", "temperature", "impl", "config", "tokens_per_sec", "speedup", "tokens_per_target_forward",
                "mean_accepted", "acceptance_rate", "alpha", "c", "predicted_speedup", "efficiency", "same_as_plain"]
