@@ -16,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,11 +37,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_ready(port: int, process: subprocess.Popen, timeout: float):
+def wait_ready(port: int, process: subprocess.Popen, timeout: float, log=None):
+    """Until /health answers 200; serve's own `error:` line (its stderr, in `log`) if it exits first."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"error: serve.py exited with status {process.returncode} before it was ready")
+            said = []
+            if log is not None:
+                log.seek(0)
+                said = [line for line in log.read().decode(errors="replace").splitlines() if line.startswith("error: ")]
+            raise SystemExit(f"error: serve.py exited with status {process.returncode} before it was ready"
+                             + (f" ({said[-1][len('error: '):]})" if said else ""))
         try:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             connection.request("GET", "/health")
@@ -120,17 +127,19 @@ def main(argv=None):
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         port = free_port()
+        log = tempfile.TemporaryFile()  # serve's stderr: its one line, if it stops before it is ready
         process = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--checkpoint_path",
                                     str(args.checkpoint_path), "--port", str(port), "--host", "127.0.0.1",
                                     "--max_batch_size", str(batch), "--max_queue", str(MAX_CLIENTS), *extra],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   stdout=subprocess.DEVNULL, stderr=log)
         try:
-            wait_ready(port, process, timeout=600)
+            wait_ready(port, process, timeout=600, log=log)
             clients = min(args.clients or 2 * batch, MAX_CLIENTS)
             rows.append(dict(load(port, clients, args.seconds, args.max_tokens), batch_size=batch))
         finally:
             process.terminate()
             process.wait(timeout=30)
+            log.close()
     ms = lambda v: f"{v * 1000:.1f}" if v is not None else "-"  # noqa: E731
     print(f"{'B':>3} {'clients':>7} {'requests':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} "
           f"{'ITL p50':>8} {'ITL p95':>8}   (latencies in ms)")

@@ -406,3 +406,15 @@ def test_a_template_that_renders_nothing_says_so():
     """It was reported later as "the prompt is empty", though the user gave one."""
     with pytest.raises(errors.UserError, match="renders the conversation as nothing"):
         TemplateOnly("{% if false %}x{% endif %}").render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_bench_serve_passes_on_the_servers_own_line_when_it_stops_before_ready(tmp_path):
+    """It said only "serve.py exited with status 1", hiding why."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tempfile
+    import bench_serve
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('error: no such port')"], stderr=log)
+        process.wait()
+        with pytest.raises(SystemExit, match=r"status 1 before it was ready \(no such port\)"):
+            bench_serve.wait_ready(1, process, timeout=30, log=log)
