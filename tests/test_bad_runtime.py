@@ -345,6 +345,7 @@ def test_the_prompts_forward_beyond_memory_is_refused_before_it_runs(random_targ
     assert model.max_batch_size == 64
 
 
+@pytest.mark.slow  # lm-eval indexes its tasks: seconds
 def test_eval_refuses_an_unknown_task_and_a_batch_beyond_memory_before_scoring(random_target, tmp_path, monkeypatch):
     """An unknown lm-eval task was named only after the whole perplexity run; eval's caches were allocated unchecked
     (a huge --batch_size was killed by the kernel), and a batch larger than the text's chunks only held memory."""
