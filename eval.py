@@ -340,10 +340,11 @@ def task_manager(tasks: list, include_path: Optional[Path] = None):
     return manager
 
 
-def run_tasks(adapter: HarnessAdapter, tasks: list, include_path: Optional[Path] = None) -> dict:
+def run_tasks(adapter: HarnessAdapter, tasks: list, include_path: Optional[Path] = None, manager=None) -> dict:
     """lm_eval.simple_evaluate of `tasks` (names, from lm-eval's own tasks or the YAML files under include_path)
-    on the adapter's model. Returns lm-eval's results: {task: {metric: value}}, and prints its table."""
-    lm_eval, manager = import_lm_eval(), task_manager(tasks, include_path)
+    on the adapter's model (`manager`: task_manager's, where the caller checked the names already). Returns
+    lm-eval's results: {task: {metric: value}}, and prints its table."""
+    lm_eval, manager = import_lm_eval(), manager or task_manager(tasks, include_path)
     results = lm_eval.simple_evaluate(model=harness_model(adapter), tasks=tasks, task_manager=manager,
                                       log_samples=False)
     from lm_eval.utils import make_table
@@ -435,8 +436,8 @@ def run(settings: Settings, say=print) -> dict:
             raise UserError(f"`base` {settings.base} does not share the tokenizer and vocabulary of "
                             f"{checkpoint}: compare two checkpoints of the same model")
 
-    if settings.tasks:
-        task_manager(settings.tasks, settings.include_path)  # an unknown name is refused before the perplexity run
+    # an unknown task name is refused before the perplexity run (indexing lm-eval's tasks takes seconds: once)
+    manager = task_manager(settings.tasks, settings.include_path) if settings.tasks else None
     t0 = time.perf_counter()
     generator = Generator.build(checkpoint, settings.device, settings.dtype, compile=settings.compile)
     base = load_model(settings.base, settings.device, torch.float32) if settings.base is not None else None
@@ -452,7 +453,7 @@ def run(settings: Settings, say=print) -> dict:
         result.update(measures)
     if settings.tasks:
         adapter = HarnessAdapter(generator, settings.ctx, settings.batch_size, progress=True)
-        result["tasks"] = run_tasks(adapter, settings.tasks, settings.include_path)
+        result["tasks"] = run_tasks(adapter, settings.tasks, settings.include_path, manager)
     if settings.stats_json is not None:
         write_output(Path(settings.stats_json), "stats_json",
                      lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))

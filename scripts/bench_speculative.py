@@ -431,7 +431,6 @@ def main(argv=None):
                              "tokens_per_sec": tps, "speedup": tps / base_tps})
                 print(f"  code T={temperature} {name}: {tps:.1f} tok/s", flush=True)
 
-    # copy task: draft-free n-gram drafting vs plain (and the draft model's chain and merged tree, for reference)
     if copy_configs:
         measure("copy", 0.0, copy_prompts, copy_configs)
 
