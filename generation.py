@@ -278,8 +278,9 @@ class Speculation:
         if self.tree_nodes not in (None, "auto") and (isinstance(self.tree_nodes, bool)
                                                       or not isinstance(self.tree_nodes, int)):
             raise UserError(f"`tree_nodes` must be an integer or 'auto', got {self.tree_nodes!r}")
-        if not has_draft and not self.draft_ngram and self.tree_nodes is not None:
-            raise UserError("`tree_nodes` needs a draft: add `draft_checkpoint_path`, `draft_head` or `draft_ngram` N")
+        if not has_draft and not self.draft_ngram and (self.tree_nodes is not None or auto):
+            what = "`tree_nodes`" if self.tree_nodes is not None else "`speculate_k` auto"
+            raise UserError(f"{what} needs a draft: add `draft_checkpoint_path`, `draft_head` or `draft_ngram` N")
         if self.nodes < self.depth:
             raise UserError(f"`tree_nodes` ({self.nodes}) must be >= `speculate_k` ({self.depth}): a tree holds at "
                             f"least one chain")

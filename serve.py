@@ -585,6 +585,28 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
+# Fields that would change what a client gets back, which this server does not do: a 400 naming the field, not an
+# answer that silently ignores them (a JSON mode or a tool call the client then fails to parse). Their neutral
+# values (absent, null, empty, off) pass.
+UNSUPPORTED = {
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
+    "tools": lambda v: v == [], "functions": lambda v: v == [],
+    "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+    "logit_bias": lambda v: v == {}, "top_logprobs": lambda v: v == 0,
+    "best_of": lambda v: v == 1 and not isinstance(v, bool), "echo": lambda v: v is False, "suffix": lambda v: v == "",
+    "modalities": lambda v: v == ["text"], "audio": lambda v: False, "prediction": lambda v: False,
+}
+COMPLETIONS_ONLY = ("best_of", "echo", "suffix")
+
+
+def refuse_unsupported(body: dict, chat: bool):
+    for name, neutral in UNSUPPORTED.items():
+        if chat and name in COMPLETIONS_ONLY or body.get(name) is None or neutral(body[name]):
+            continue
+        raise ApiError(400, f"`{name}` is not supported by this server (got {json.dumps(body[name])[:80]})", name,
+                       "unsupported_value")
+
+
 def read_settings(body: dict, chat: bool) -> dict:
     """The generation settings of a request body, each checked (400 naming the field)."""
     number = (int, float)
@@ -593,6 +615,7 @@ def read_settings(body: dict, chat: bool) -> dict:
         field_of(body, name, number, 0, lambda v: v == 0, "0 (penalties are not supported)")
     if body.get("logprobs") not in (None, False):
         raise ApiError(400, "`logprobs` is not supported", "logprobs", "unsupported_value")
+    refuse_unsupported(body, chat)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS

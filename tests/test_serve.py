@@ -342,6 +342,16 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options.include_usage"),
+    # features that change the reply, which this server does not have: refused, not silently ignored
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": -100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     # JSON escapes of lone surrogates: strings no tokenizer encodes (they were a 500 with a traceback)
     ("/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": "hi", "stop": ["\\udfff"], "max_tokens": 2}', 400, "stop"),
@@ -360,6 +370,18 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, status, param):
     error = reply["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert error["type"] == "invalid_request_error" and (param is None or param.split("[")[0] in error["message"])
+
+
+def test_neutral_values_of_unsupported_fields_pass(server):
+    """Clients that send the unsupported fields' off values (a text response format, no tools, no bias) get their
+    answer."""
+    neutral = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logit_bias": {},
+               "top_logprobs": None, "max_tokens": 2}
+    status, reply = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **neutral})
+    assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant"
+    status, reply = server.post("/v1/completions", {"prompt": "hi", "echo": False, "best_of": 1, "suffix": "",
+                                                    "max_tokens": 2})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
 
 
 def test_huge_and_slow_bodies_are_refused_before_they_are_read_whole(server, monkeypatch):

@@ -146,6 +146,7 @@ def test_clear_errors(random_target, random_draft, tmp_path, tokenizer_model):
     assert "--temperature" in error_of(*spec, "--temperature", "-0.5")
     assert "--tree_nodes" in error_of(*spec, "--speculate_k", "4", "--tree_nodes", "3")
     assert "--tree_nodes needs a draft" in error_of("--checkpoint_path", random_target, "--tree_nodes", "8")
+    assert "--speculate_k auto needs a draft" in error_of("--checkpoint_path", random_target, "--speculate_k", "auto")
     assert "--draft_ngram" in error_of(*spec, "--draft_ngram", "3")
     assert "N >= 2" in error_of("--checkpoint_path", random_target, "--draft_ngram", "1")
     assert "--tree_nodes must be an integer or 'auto'" in error_of(*spec, "--tree_nodes", "many")
