@@ -97,6 +97,7 @@ _LIBRARY.define("a8_int4_linear(Tensor x, Tensor weight, Tensor scales_and_zeros
 _LIBRARY.define("a8_quantize(Tensor x, int padded) -> (Tensor, Tensor)")
 _LIBRARY.define("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor")  # float32 x, int8-a8's weight layout
 _LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")  # kernels_a8.cpp
+_LIBRARY.define("f32_linear(Tensor x, Tensor packed, int N) -> Tensor")  # float32, the weight in pack_f32's layout
 
 
 @torch.library.register_fake("fastgen::a8_int8_linear")
@@ -107,6 +108,11 @@ def _(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 @torch.library.register_fake("fastgen::int8_linear")
 def _(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("fastgen::f32_linear")
+def _(x: Tensor, packed: Tensor, N: int) -> Tensor:
+    return x.new_empty(x.shape[0], N)
 
 
 @torch.library.register_fake("fastgen::attention")
@@ -160,9 +166,36 @@ def c_shims() -> dict:
     signatures = {ops.int8_linear.default: tensors("x", "weight", "scales"),
                   ops.a8_int8_linear.default: tensors("x", "weight", "scales"),
                   ops.a8_int4_linear.default: tensors("x", "weight", "scales_and_zeros") + ", int64_t groupsize",
-                  ops.attention.default: tensors("q", "k", "v", "mask")}
+                  ops.attention.default: tensors("q", "k", "v", "mask"),
+                  ops.f32_linear.default: tensors("x", "packed") + ", int64_t N"}
     return {op: [f"AOTITorchError aoti_torch_cpu_{op._opname}({args}, AtenTensorHandle* ret0)"]
             for op, args in signatures.items()}
+
+
+F32_BLOCK = 64  # outputs per block of pack_f32's layout (kernels_a8.cpp's BLOCK_F32)
+
+
+def native_f32_linear(x: Tensor, weight: Tensor) -> bool:
+    """Whether a stored CPU graph multiplies float32 x and weight with kernels_a8.cpp's f32_linear (AVX-512): one
+    read of the weights for all of a verification's rows, where inductor's GEMM templates slow down from 5 rows on
+    (BENCHMARKS.md, "Float32 products"). Decided while tracing; the graph's key records it."""
+    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and A8_BUILT \
+        and os.environ.get("FASTGEN_F32_LINEAR", "1") != "0" and torch.ops.fastgen.a8_isa() == "avx512_vnni"
+
+
+def pack_f32(weight: Tensor) -> Tensor:
+    """W [N, K] -> [ceil(N / 64), K, 64]: each block of 64 outputs one contiguous stream (rows past N zero). Plain
+    tensor operations, so that a frozen graph folds them into the stored constant."""
+    N, K = weight.shape
+    blocks = -(-N // F32_BLOCK)
+    padded = F.pad(weight, (0, 0, 0, blocks * F32_BLOCK - N))
+    return padded.view(blocks, F32_BLOCK, K).transpose(1, 2).contiguous()
+
+
+def f32_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., K] times weight [N, K] through pack_f32's layout: [..., N]."""
+    y = torch.ops.fastgen.f32_linear(x.reshape(-1, x.shape[-1]).contiguous(), pack_f32(weight), weight.shape[0])
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 A8_BUILT = False  # a8_kernels() succeeded: what a graph being traced reads (dynamo would trace a8_kernels' build)

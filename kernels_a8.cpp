@@ -484,6 +484,58 @@ AVX512 void f32_tile_avx512(const int8_t* const* w, const float* x, int64_t Kp, 
     _mm_storeu_ps(out[j], sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
 }
 
+// ----------------------------------------------------------------------------- float32 weights, a few rows
+
+// y = x W^T for float32 x [M, K] and W [N, K] stored in blocks of 64 outputs, Wb [ceil(N / 64), K, 64] (block b,
+// input k: the weights of outputs 64b .. 64b + 63; rows past N zero). Each block is one contiguous stream of K * 256
+// bytes, and each input k a broadcast of x[m, k] times 64 outputs in four vectors, summed down the block, with no
+// reduction across lanes: a verification's rows (up to ROWS_F32 of them per pass) all ride on one read of the
+// weights, where inductor's GEMM templates slow down from 5 rows on (BENCHMARKS.md, "Float32 products").
+constexpr int64_t BLOCK_F32 = 64;
+constexpr int ROWS_F32 = 6;  // 6 rows x 4 vectors of accumulators, 4 of weights, 1 broadcast: 29 of 32 registers
+
+template <int R>
+void f32b_block_portable(const float* wb, const float* x, int64_t K, float (*acc)[BLOCK_F32]) {
+  for (int j = 0; j < R; ++j)
+    for (int64_t o = 0; o < BLOCK_F32; ++o) acc[j][o] = 0.f;
+  for (int64_t k = 0; k < K; ++k)
+    for (int j = 0; j < R; ++j)
+      for (int64_t o = 0; o < BLOCK_F32; ++o) acc[j][o] += wb[k * BLOCK_F32 + o] * x[j * K + k];
+}
+
+template <int R>
+AVX512 void f32b_block_avx512(const float* wb, const float* x, int64_t K, float (*acc_out)[BLOCK_F32]) {
+  __m512 acc[R][4];
+  for (int j = 0; j < R; ++j)
+    for (int q = 0; q < 4; ++q) acc[j][q] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* p = wb + k * BLOCK_F32;
+    if (k % 4 == 0)  // 16 inputs ahead: the block is one stream, the hardware's prefetcher follows it past that
+      for (int q = 0; q < 4; ++q) prefetch(p + 16 * BLOCK_F32 + 16 * q);
+    const __m512 w0 = _mm512_loadu_ps(p), w1 = _mm512_loadu_ps(p + 16), w2 = _mm512_loadu_ps(p + 32),
+                 w3 = _mm512_loadu_ps(p + 48);
+    for (int j = 0; j < R; ++j) {
+      const __m512 xv = _mm512_set1_ps(x[j * K + k]);
+      acc[j][0] = _mm512_fmadd_ps(w0, xv, acc[j][0]);
+      acc[j][1] = _mm512_fmadd_ps(w1, xv, acc[j][1]);
+      acc[j][2] = _mm512_fmadd_ps(w2, xv, acc[j][2]);
+      acc[j][3] = _mm512_fmadd_ps(w3, xv, acc[j][3]);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(acc_out[j] + 16 * q, acc[j][q]);
+}
+
+#define RUN_BLOCK_F32(FN)                                     \
+  switch (R) {                                                \
+    case 1: FN<1>(wb, xm, K, acc); break;                     \
+    case 2: FN<2>(wb, xm, K, acc); break;                     \
+    case 3: FN<3>(wb, xm, K, acc); break;                     \
+    case 4: FN<4>(wb, xm, K, acc); break;                     \
+    case 5: FN<5>(wb, xm, K, acc); break;                     \
+    default: FN<ROWS_F32>(wb, xm, K, acc); break;             \
+  }
+
 // ----------------------------------------------------------------------------- attention over the KV cache
 // Grouped-query attention of a few query tokens (decode, verification) with a bool mask, without ATen's flash kernel's
 // fixed cost per call (its blocking and buffers cost several times the arithmetic of a one-token step) and
@@ -777,6 +829,40 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y;
 }
 
+// y = x W^T, x float32 [M, K], W packed (kernels.pack_f32) for N outputs: y [M, N]
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) && packed.size(2) == BLOCK_F32 &&
+                  packed.size(0) == (N + BLOCK_F32 - 1) / BLOCK_F32,
+              "packed: contiguous float32 [ceil(N / 64), K, 64] (kernels.pack_f32)");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* w = packed.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool avx512 = isa() == AVX512_VNNI;
+  // one contiguous share of blocks per thread (over_rows counts rows of bytes: here blocks of K * 256)
+  over_rows(blocks * NR, K * BLOCK_F32, [&](int64_t r0, int64_t r1) {
+    float acc[ROWS_F32][BLOCK_F32];
+    for (int64_t b = r0 / NR; b < (r1 + NR - 1) / NR; ++b) {
+      const float* wb = w + b * K * BLOCK_F32;
+      const int64_t n = b * BLOCK_F32, width = std::min(BLOCK_F32, N - n);
+      for (int64_t m0 = 0; m0 < M; m0 += ROWS_F32) {
+        const int64_t R = std::min<int64_t>(ROWS_F32, M - m0);
+        const float* xm = xp + m0 * K;
+        if (avx512) {
+          RUN_BLOCK_F32(f32b_block_avx512)
+        } else {
+          RUN_BLOCK_F32(f32b_block_portable)
+        }
+        for (int64_t j = 0; j < R; ++j) std::memcpy(yp + (m0 + j) * N + n, acc[j], width * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
 // softmax(q k^T / sqrt(D), where mask) v. q [B, H, G * T, D] float32 (row g * T + t: query head g of kv head h's
 // group, token t), k and v [B, H, S, D] (the cache), mask [B or 1, 1, T, S] bool. Own kernel for T <= 16 on AVX-512;
 // otherwise (prefill, other CPUs) ATen's, on the keys up to the last any token may see.
@@ -863,6 +949,7 @@ TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
   m.impl("a8_int4_linear", &a8_int4_linear);
   m.impl("a8_quantize", &a8_quantize);
   m.impl("int8_linear", &int8_linear);
+  m.impl("f32_linear", &f32_linear);
   m.impl("attention", &attention);
 }
 
@@ -881,6 +968,10 @@ extern "C" {
 AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
                                           AtenTensorHandle* ret0) {
   FASTGEN_SHIM(int8_linear, int8_linear(T(x), T(weight), T(scales)));
+}
+AOTITorchError aoti_torch_cpu_f32_linear(AtenTensorHandle x, AtenTensorHandle packed, int64_t N,
+                                         AtenTensorHandle* ret0) {
+  FASTGEN_SHIM(f32_linear, f32_linear(T(x), T(packed), N));
 }
 AOTITorchError aoti_torch_cpu_a8_int8_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
                                              AtenTensorHandle* ret0) {

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from errors import UserError
-from kernels import a8_kernels, attention, pack_weight, packed_linear
+from kernels import a8_kernels, attention, f32_linear, native_f32_linear, pack_weight, packed_linear
 
 
 LLAMA_FAMILY = ("llama", "mistral")  # the model types whose layers are ours: others differ in norms or attention
@@ -247,6 +247,8 @@ class Linear(nn.Linear):
     packed: Optional[Tensor] = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_exporting() and native_f32_linear(x, self.weight):  # a stored CPU graph
+            return f32_linear(x, self.weight)
         # a frozen graph (decode's whole graphs on CPU) multiplies with inductor's own kernels on weights it packs
         # itself, so it traces F.linear (inductor's config is read only once compiling has imported it)
         if self.packed is not None and x.numel() > x.shape[-1] \

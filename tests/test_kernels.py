@@ -293,6 +293,33 @@ def test_int8_weights_times_float32_activations(isa, M, N, K):
     assert ((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ reference.abs().t())).all()
     assert torch.equal(module(x[-1:]), y[-1:])  # a row's result does not depend on the rows beside it
 
+@pytest.mark.parametrize("M, N, K", [(1, 37, 576), (6, 64, 100), (7, 130, 33), (13, 5, 1000), (2, 200, 16)])
+def test_f32_linear_equals_float64_reference(isa, M, N, K):
+    """Stored graphs' float32 products (fastgen::f32_linear on kernels.pack_f32's blocks of 64 outputs): x @ W^T
+    up to float32 rounding of the sums, for outputs and inputs that fill no block or vector, one row and more rows
+    than one pass holds; a row's result is the same bits whatever rows are beside it (a verification's logits of a
+    token are its decode step's), and the packing zero-fills past N."""
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(N, K, generator=generator) * torch.logspace(-2, 0, N)[:, None]
+    x = activations(M, K)
+    packed = kernels.pack_f32(w)
+    assert packed.shape == (-(-N // 64), K, 64) and not packed.transpose(1, 2).reshape(-1, K)[N:].any()
+    y = torch.ops.fastgen.f32_linear(x, packed, N)
+    want = x.double() @ w.double().t()
+    assert ((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().t()) + 1e-30).all()
+    for m in range(M):
+        assert torch.equal(torch.ops.fastgen.f32_linear(x[m:m + 1].contiguous(), packed, N), y[m:m + 1])
+    assert torch.equal(kernels.f32_linear(x.view(1, M, K), w), y.view(1, M, N))
+
+
+def test_f32_linear_is_chosen_for_stored_cpu_graphs_of_float32_only():
+    a8_isas()
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    native = torch.ops.fastgen.a8_isa() == "avx512_vnni"
+    assert kernels.native_f32_linear(x, w) == native
+    assert not kernels.native_f32_linear(x.bfloat16(), w.bfloat16())
+
+
 # ----------------------------------------------------------------------------- attention over the KV cache
 
 def attention_reference(q, k, v, mask):

@@ -14,6 +14,7 @@ import torch
 import artifacts
 import decode
 import generation
+import kernels
 from helpers import ROOT, write_checkpoint
 
 def run_script(script: str, checkpoint, cache_dir, threads: int = 1):
@@ -68,6 +69,8 @@ def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(stored
     packages = list((checkpoint.parent / "compiled").glob("*.so"))
     assert len(packages) == 1
     assert json.loads(packages[0].with_name(packages[0].stem + ".meta.json").read_text())["signature"]
+    if kernels.a8_kernels() and torch.ops.fastgen.a8_isa() == "avx512_vnni":  # float32 products: ours, called directly
+        assert b"aoti_torch_cpu_f32_linear" in packages[0].read_bytes()
     engine = stored_engine(checkpoint)
     assert greedy(engine, prompt=(3, 4)) == greedy(decode.Engine(generation.load_model(checkpoint)), prompt=(3, 4))
     assert not built(capsys)
