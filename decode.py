@@ -374,7 +374,7 @@ def model_key_fields(model: torch.nn.Module, device: str, mode: str, sources: tu
             "device": device, "mode": mode, "machine": artifacts.machine(),
             "sources": artifacts.sources_digest(sources),
             "native": artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp")),
-            "native_built": kernels.A8_BUILT, "native_f32": os.environ.get("FASTGEN_F32_LINEAR", "1") != "0"}
+            "native_built": kernels.A8_BUILT, "native_f32": kernels.f32_linear_allowed()}
 
 
 def compiled_count() -> int:

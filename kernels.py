@@ -180,7 +180,12 @@ def native_f32_linear(x: Tensor, weight: Tensor) -> bool:
     read of the weights for all of a verification's rows, where inductor's GEMM templates slow down from 5 rows on
     (BENCHMARKS.md, "Float32 products"). Decided while tracing; the graph's key records it."""
     return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and A8_BUILT \
-        and os.environ.get("FASTGEN_F32_LINEAR", "1") != "0" and torch.ops.fastgen.a8_isa() == "avx512_vnni"
+        and f32_linear_allowed() and torch.ops.fastgen.a8_isa() == "avx512_vnni"
+
+
+def f32_linear_allowed() -> bool:
+    """FASTGEN_F32_LINEAR=0 keeps inductor's GEMM templates in stored graphs (comparisons); part of their key."""
+    return os.environ.get("FASTGEN_F32_LINEAR", "1") != "0"
 
 
 def pack_f32(weight: Tensor) -> Tensor:

@@ -842,7 +842,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool avx512 = isa() == AVX512_VNNI;
-  // one contiguous share of blocks per thread (over_rows counts rows of bytes: here blocks of K * 256)
+  // one contiguous share of blocks per thread: over_rows splits whole tiles of NR rows, so here a tile is a block
+  // and a row a quarter of its K * 256 bytes
   over_rows(blocks * NR, K * BLOCK_F32, [&](int64_t r0, int64_t r1) {
     float acc[ROWS_F32][BLOCK_F32];
     for (int64_t b = r0 / NR; b < (r1 + NR - 1) / NR; ++b) {
