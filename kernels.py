@@ -177,7 +177,7 @@ F32_BLOCK = 64  # outputs per block of pack_f32's layout (kernels_a8.cpp's BLOCK
 
 def native_f32_linear(x: Tensor, weight: Tensor) -> bool:
     """Whether a stored CPU graph multiplies float32 x and weight with kernels_a8.cpp's f32_linear (AVX-512): one
-    read of the weights for all of a verification's rows, where inductor's GEMM templates slow down from 5 rows on
+    read of the weights for all of a verification's rows, where inductor's GEMM templates slow down at those widths
     (BENCHMARKS.md, "Float32 products"). Decided while tracing; the graph's key records it."""
     return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and A8_BUILT \
         and f32_linear_allowed() and torch.ops.fastgen.a8_isa() == "avx512_vnni"

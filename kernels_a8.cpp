@@ -490,7 +490,7 @@ AVX512 void f32_tile_avx512(const int8_t* const* w, const float* x, int64_t Kp, 
 // input k: the weights of outputs 64b .. 64b + 63; rows past N zero). Each block is one contiguous stream of K * 256
 // bytes, and each input k a broadcast of x[m, k] times 64 outputs in four vectors, summed down the block, with no
 // reduction across lanes: a verification's rows (up to ROWS_F32 of them per pass) all ride on one read of the
-// weights, where inductor's GEMM templates slow down from 5 rows on (BENCHMARKS.md, "Float32 products").
+// weights, where inductor's GEMM templates slow down at a verification's widths (BENCHMARKS.md, "Float32 products").
 constexpr int64_t BLOCK_F32 = 64;
 constexpr int ROWS_F32 = 6;  // 6 rows x 4 vectors of accumulators, 4 of weights, 1 broadcast: 29 of 32 registers
 
