@@ -184,6 +184,16 @@ class Engine:
     features: tuple = ()  # blocks whose inputs forward_features returns beside the logits (a draft head's features)
     forward_features: callable = None  # forward() that also returns those features (Transformer.forward_features)
     cache: object = None  # the CompileCache its callables store their kernels in (modes compiled in the process)
+    stored: object = None  # the StoredForward of a stored engine
+
+    @property
+    def ran_as(self) -> str:
+        """The mode that ran: a stored engine none of whose graphs could be stored or loaded here ran them compiled
+        in the process ("whole"); stats say so rather than "stored"."""
+        graphs = self.stored.graphs.values() if self.stored is not None else ()
+        if graphs and all(graph[1] is None for graph in graphs):  # no bind: StoredGraph.in_process
+            return "whole"
+        return self.mode
 
     def __post_init__(self):
         if self.forward is None:
@@ -265,7 +275,7 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
         model.round_cache_length = True  # a few cache lengths, so a few graphs, whatever each prompt's length
         return Engine(model, mode, prefill=dropping_model(prefill, forward),
                       decode_one_token=dropping_model(decode_one_token, forward), forward=forward, features=features,
-                      forward_features=stored if features else None)
+                      forward_features=stored if features else None, stored=stored)
     configure_compiler(device)
     cache = CompileCache.for_model(model, device, mode)
     if mode == "regional":
@@ -489,8 +499,9 @@ class StoredGraph:
                       f"again", file=sys.stderr)
         what = f"the graph of {self.path} (batch {batch}, {length} positions, {self.mode})"
         if artifacts.loader_crashed(self.device):
-            print(f"not storing {what}: loading a stored graph crashed on this machine with this torch before; "
-                  f"compiling it in this process (remove {artifacts.loader_marker(self.device)[0]} to try again)",
+            print(f"not storing {what}: loading a stored graph crashed or hung on this machine with this torch "
+                  f"before; compiling it in this process (remove {artifacts.loader_marker(self.device)[0]} to try "
+                  f"again)",
                   file=sys.stderr)
             return self.in_process()
         estimate = artifacts.build_seconds_estimate(directory, self.n_layer)
@@ -512,7 +523,7 @@ class StoredGraph:
                   file=sys.stderr)
             text = f"{key}\n{type(e).__name__}: {first}\n"
             write_atomically(failed, lambda tmp: tmp.write_text(text))
-            if isinstance(e, LoaderCrashed):  # the loader, not this graph: every later build would crash as well
+            if isinstance(e, LoaderCrashed):  # the loader, not this graph: every later build would fail so
                 artifacts.note_loader_crash(self.device)
             return self.in_process()
 
@@ -724,14 +735,18 @@ with torch.no_grad():
 """
 
 
-def loads_in_child(library, table, device: str, examples: list, timeout: float = 600):
+def loads_in_child(library, table, device: str, examples: list, timeout: Optional[float] = None):
     """Load and run a freshly built graph (its library and operator table's text, or None) in a child process first,
     on each of `examples` (lists of its arguments):
-    AOTInductor's loader crashed (a segmentation fault, which no exception handler catches) on a GPU measured
-    (BENCHMARKS.md). Raises LoaderCrashed if the child dies of a signal, RuntimeError if it fails otherwise."""
+    AOTInductor's loader crashed (a segmentation fault, which no exception handler catches) on a GPU measured, and
+    hung on another (BENCHMARKS.md). Raises LoaderCrashed if the child dies of a signal or has not finished after
+    `timeout` seconds (default: a minute, and a second per 100 MB of library: it was just written, so it loads from
+    memory), RuntimeError if it fails otherwise."""
     import subprocess
     import tempfile
     library = Path(library)
+    if timeout is None:
+        timeout = 60 + library.stat().st_size / 100e6
     with tempfile.TemporaryDirectory(dir=library.parent, prefix=".check-") as check:
         linked = Path(check) / "graph.so"  # the runner finds the operator table by the library's name
         try:
@@ -746,8 +761,8 @@ def loads_in_child(library, table, device: str, examples: list, timeout: float =
             done = subprocess.run([sys.executable, "-c", CHILD_CHECK, str(Path(__file__).resolve().parent),
                                    str(linked), device, str(arguments)],
                                   capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"loading it in a child process did not finish in {timeout:.0f} s") from None
+        except subprocess.TimeoutExpired:  # the child is killed: the loader hung, which no later build escapes
+            raise LoaderCrashed(f"loading it in a child process hung (stopped after {timeout:.0f} s)") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [""])[-1][:160]
         how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
@@ -756,7 +771,7 @@ def loads_in_child(library, table, device: str, examples: list, timeout: float =
 
 
 class LoaderCrashed(RuntimeError):
-    """The child process that loaded a stored graph died of a signal (AOTInductor's loader segfaulted)."""
+    """The child process that loaded a stored graph died of a signal (AOTInductor's loader segfaulted) or hung."""
 
 
 class Replayed:

@@ -71,10 +71,10 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
                  "give `precision` as the checkpoint's own dtype (its weights are then read in place), quantize it "
                  "(quantize.py), or free memory" if on_cpu else
                  "pick a lower `precision`, quantize it (quantize.py), or use a device with more memory")
-    model = model.to(device=device)
+    # each tensor converted where it is read, then moved: a GPU holds only the converted weights (weight_bytes)
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor.is_floating_point() and tensor.dtype != precision and "scales" not in name:
-            tensor.data = tensor.data.to(precision)
+        convert = tensor.is_floating_point() and tensor.dtype != precision and "scales" not in name
+        tensor.data = tensor.data.to(dtype=precision if convert else tensor.dtype).to(device)
     if scheme:
         import quantize
         quantize.pack_for_device(model)  # int4 on the CPU: the kernel's weight layout, made after sharding
@@ -840,7 +840,7 @@ def summarize(settings: Settings, generator: Generator, prompt_ids, samples, sta
     result = {
         "device": settings.device, "precision": {v: k for k, v in PRECISIONS.items()}[settings.dtype],
         "compile": settings.compile != "none", "speculative": generator.speculator.kind if generator.speculator
-        else "none", "compile_mode": generator.target.mode,
+        else "none", "compile_mode": generator.target.ran_as,
         "quantization": (model.quantization or {}).get("mode", "none"),
         "world_size": world_size, "batch_size": settings.batch_size,
         "prompt_tokens": prompt_ids, "samples": samples, "tokens_per_sec": tokens_per_sec,

@@ -327,3 +327,19 @@ def test_stats_json_replaces_only_files_this_program_wrote(random_target, tmp_pa
     for _ in range(2):
         run(random_target, "--stats_json", str(out), n=2)
     assert json.loads(out.read_text())["tokens_per_sec"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_holds_only_the_converted_weights_while_loading(tmp_path, tokenizer_model):
+    """An fp32 file loaded as bf16: each tensor is converted before it moves, so the GPU's peak is the bf16 weights
+    (what check_memory counted), not the fp32 file's size on top of them."""
+    path = write_checkpoint(tmp_path / "m", tokenizer_model, seed=0, dim=256, n_layer=4, n_head=4, vocab_size=512,
+                            block_size=64)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = generation.load_model(path, "cuda", torch.bfloat16)
+    held = torch.cuda.memory_allocated() - base
+    assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in model.parameters())
+    assert torch.cuda.max_memory_allocated() - base <= held + (1 << 20)
+    assert held <= generation.weight_bytes(model, "cuda", torch.bfloat16) + (1 << 20)

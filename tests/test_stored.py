@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -426,6 +427,19 @@ def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == [library]  # its check directory removed
 
 
+def test_a_hang_in_the_child_is_a_loader_failure_and_ends(tmp_path, monkeypatch):
+    """A loader that hangs (as AOTInductor's did on a GPU measured) is stopped after the timeout and reported like a
+    crash, so that the machine is marked and no later build waits on it again."""
+    monkeypatch.setattr(decode, "CHILD_CHECK", "import time; time.sleep(60)")
+    library = tmp_path / "graph.so"
+    library.write_bytes(b"\0")
+    start = time.monotonic()
+    with pytest.raises(decode.LoaderCrashed, match="hung"):
+        decode.loads_in_child(library, None, "cuda", [decode.example_inputs(1, 64, "cpu", 1)], timeout=2)
+    assert time.monotonic() - start < 30
+    assert list(tmp_path.iterdir()) == [library]
+
+
 def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoint, monkeypatch, capsys):
     """A build that fails (an export error, a library that does not load) leaves a marker under its key: a later
     run with the same key compiles that shape in its process at once (one line); another key tries again."""
@@ -454,6 +468,19 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
     finally:
         torch.set_num_threads(threads)
     assert "cannot store" in capsys.readouterr().err
+
+
+def test_stats_say_the_graphs_ran_in_the_process_where_none_could_be_stored(checkpoint, monkeypatch, capsys):
+    """`--compile` whose graphs could not be stored here compiles them in the process: its stats JSON says
+    `whole`, not `stored`."""
+    monkeypatch.setattr(decode.StoredForward, "export", lambda *args: (_ for _ in ()).throw(RuntimeError("no")))
+    # the in-process graph itself is the whole mode's (tested with it); eager here keeps this test fast
+    monkeypatch.setattr(decode.StoredForward, "compiled_in_process", lambda self: self.model)
+    stats = generation.run(generation.Settings(checkpoint_path=checkpoint, prompt="hello", num_samples=1,
+                                               max_new_tokens=4, temperature=0, compile="auto"), say=lambda *a: None)
+    assert stats["compile_mode"] == "whole" and "cannot store" in capsys.readouterr().err
+    engine = decode.compile_engine(generation.load_model(checkpoint), "cpu", "auto")
+    assert engine.ran_as == "stored"  # before any graph is loaded: the mode asked for
 
 
 def test_a_loader_that_crashed_is_given_no_other_graph_to_build(checkpoint, tmp_path, monkeypatch, capsys):
