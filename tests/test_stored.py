@@ -435,7 +435,7 @@ def test_a_hang_in_the_child_is_a_loader_failure_and_ends(tmp_path, monkeypatch)
     library.write_bytes(b"\0")
     start = time.monotonic()
     with pytest.raises(decode.LoaderCrashed, match="hung"):
-        decode.loads_in_child(library, None, "cuda", [decode.example_inputs(1, 64, "cpu", 1)], timeout=2)
+        decode.loads_in_child(library, None, "cuda", [decode.example_inputs(1, 64, "cpu", 1)], timeout=1)
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == [library]
 
