@@ -473,7 +473,9 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
 def test_stats_say_the_graphs_ran_in_the_process_where_none_could_be_stored(checkpoint, monkeypatch, capsys):
     """`--compile` whose graphs could not be stored here compiles them in the process: its stats JSON says
     `whole`, not `stored`."""
-    monkeypatch.setattr(decode.StoredForward, "export", lambda *args: (_ for _ in ()).throw(RuntimeError("no")))
+    def fails(*args):
+        raise RuntimeError("cannot export this model")
+    monkeypatch.setattr(decode.StoredForward, "export", fails)
     # the in-process graph itself is the whole mode's (tested with it); eager here keeps this test fast
     monkeypatch.setattr(decode.StoredForward, "compiled_in_process", lambda self: self.model)
     stats = generation.run(generation.Settings(checkpoint_path=checkpoint, prompt="hello", num_samples=1,
