@@ -383,7 +383,8 @@ def test_neutral_values_of_unsupported_fields_pass(server):
     assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant"
     status, reply = server.post("/v1/completions", {"prompt": "hi", "echo": False, "best_of": 1, "suffix": "",
                                                     "max_tokens": 2})
-    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+    assert status == 200 and (reply["usage"]["completion_tokens"] == 2
+                              or reply["choices"][0]["finish_reason"] == "stop")  # a sampled end token
 
 
 def test_huge_and_slow_bodies_are_refused_before_they_are_read_whole(server, monkeypatch):
