@@ -298,29 +298,69 @@ void int4_tile_portable(const Int4Tile& w, const Activations& a, int64_t m0, flo
   }
 }
 
+// the scales of blocks b..b+3 of a row as float32 (a padding block's: the row's last scale, times a zero dot product)
+AVX2 inline __m128 block_scales4(const uint16_t* s, int64_t b, int64_t G, int64_t groups) {
+  if (G == BLOCK && b + 4 <= groups) {
+    int64_t four;
+    std::memcpy(&four, s + b, 8);
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_cvtsi64_si128(four)), 16));
+  }
+  return _mm_setr_ps(bf16(s[std::min(b * BLOCK / G, groups - 1)]), bf16(s[std::min((b + 1) * BLOCK / G, groups - 1)]),
+                     bf16(s[std::min((b + 2) * BLOCK / G, groups - 1)]),
+                     bf16(s[std::min((b + 3) * BLOCK / G, groups - 1)]));
+}
+
+// one block's dot products u . q (32 unsigned nibbles by 32 signed bytes: 15 * 127 * 2 per pair, no saturation)
+// times its scale, added to acc
+AVX2 inline __m256 int4_block_avx2(__m256i u, const int8_t* q, const float* scale, __m256 acc) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(scale), acc);
+}
+
+// a step of 128 inputs at a time, as the packing lays them out: one pair of loads a row gives its four blocks with
+// constant shifts, and the four blocks' scales times the activations' come from one vector product. The loops over
+// rows and blocks are unrolled so that the sums stay in registers (kept on the stack, each add waited on a store).
 template <int R>
 AVX2 void int4_tile_avx2(const Int4Tile& w, const Activations& a, int64_t m0, float (*out)[NR]) {
   __m256 acc[R][NR];
   for (int j = 0; j < R; ++j)
     for (int i = 0; i < NR; ++i) acc[j][i] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-  for (int64_t b = 0; b < w.blocks(); ++b) {
-    __m256i u[NR];
-    float s[NR];
+  const __m256i low = _mm256_set1_epi8(15);
+  const int64_t steps = w.full_blocks() / 4;
+  alignas(16) float sd[4];
+  for (int64_t c = 0; c < steps; ++c) {
+#pragma GCC unroll 4
     for (int i = 0; i < NR; ++i) {
-      int shift;
-      const uint8_t* bytes = block_bytes(w.rows[i].u, b, w.full_blocks(), shift);
-      if (b % 4 < 2) prefetch(bytes + AHEAD * w.Kp / 2);
-      u[i] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)), shift),
-                              low);
-      s[i] = bf16(w.rows[i].s[b * BLOCK / w.G]);
+      const uint8_t* p = w.rows[i].u + c * 64;
+      prefetch(p + AHEAD * w.Kp / 2);
+      prefetch(p + 32 + AHEAD * w.Kp / 2);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      const __m256i u[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(v1, low),
+                            _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                            _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
+      const __m128 s = block_scales4(w.rows[i].s, 4 * c, w.G, w.groups);
+#pragma GCC unroll 4
+      for (int j = 0; j < R; ++j) {
+        _mm_store_ps(sd, _mm_mul_ps(s, _mm_loadu_ps(a.drow(m0 + j) + 4 * c)));
+        const int8_t* q = a.qrow(m0 + j) + c * 128;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) acc[j][i] = int4_block_avx2(u[k], q + k * BLOCK, sd + k, acc[j][i]);
+      }
     }
-    for (int j = 0; j < R; ++j) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + j) + b * BLOCK));
-      const float d = a.drow(m0 + j)[b];
-      for (int i = 0; i < NR; ++i) {
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u[i], q), ones);  // 15 * 127 * 2: no saturation
-        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[i] * d), acc[j][i]);
+  }
+  if (w.Kp % 128) {  // a last step of 64 inputs in 32 bytes (its second block may be padding: zeros)
+    const int64_t b = w.full_blocks();
+    for (int i = 0; i < NR; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i].u + b * 16));
+      const __m256i u[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+      const float s[2] = {bf16(w.rows[i].s[std::min(b * BLOCK / w.G, w.groups - 1)]),
+                          bf16(w.rows[i].s[std::min((b + 1) * BLOCK / w.G, w.groups - 1)])};
+      for (int j = 0; j < R; ++j) {
+        for (int k = 0; k < 2; ++k) sd[k] = s[k] * a.drow(m0 + j)[b + k];
+        for (int k = 0; k < 2; ++k)
+          acc[j][i] = int4_block_avx2(u[k], a.qrow(m0 + j) + (b + k) * BLOCK, sd + k, acc[j][i]);
       }
     }
   }
