@@ -713,6 +713,130 @@ AVX512 void attend_avx512(const AttentionTask& w, float scale) {
   }
 }
 
+// The same on AVX2: blocks of 8 keys, the mask's bytes widened to lanes (AVX2 has no mask registers), and e^x's 2^n
+// built in the exponent bits (n >= -126 after the clamp, so 2^n is a normal float and the product exact, as scalef's).
+
+AVX2 inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  for (float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// the sums of the 8 vectors a[0..7], lane i holding a[i]'s
+AVX2 inline __m256 sums8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+AVX2 inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// lanes of the keys [s0, s0 + keys) that the mask allows (all ones), the others zero; never reads past the row
+AVX2 inline __m256 allowed8(const bool* m, int64_t keys) {
+  int64_t bytes = 0;
+  std::memcpy(&bytes, m, std::min<int64_t>(8, keys));
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(wide, _mm256_setzero_si256()));
+}
+
+template <int NV>  // out rows g0 .. g0 + R of the task, NV vectors of 8 starting at column c0
+AVX2 void weigh_values_avx2(const AttentionTask& w, const float* p, int64_t n, const float* inv, int R, int64_t c0) {
+  constexpr int RB = 11 / NV;  // sums, a row's values and a broadcast within AVX2's 16 registers
+  for (int64_t r0 = 0; r0 < R; r0 += RB) {
+    const int rb = int(std::min<int64_t>(RB, R - r0));
+    __m256 acc[RB][NV];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < n; ++s) {
+      if (r0 == 0 && c0 == 0 && s % 4 == 0 && s + 64 < n) prefetch_rows(w.v, w.lo + s + 64, w.lo + s + 68, w.D);
+      if (!w.m[w.lo + s]) continue;
+      const float* vr = w.v + (w.lo + s) * w.D + c0;
+      __m256 vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = _mm256_loadu_ps(vr + 8 * c);
+      for (int r = 0; r < rb; ++r) {
+        const __m256 pr = _mm256_broadcast_ss(p + (r0 + r) * n + s);
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < rb; ++r)
+      for (int c = 0; c < NV; ++c)
+        _mm256_storeu_ps(w.out + (r0 + r) * w.qstride + c0 + 8 * c,
+                         _mm256_mul_ps(acc[r][c], _mm256_set1_ps(inv[r0 + r])));
+  }
+}
+
+AVX2 void attend_avx2(const AttentionTask& w, float scale) {
+  const int64_t n = w.hi - w.lo, blocks = (n + 7) / 8, D = w.D;
+  constexpr int64_t KEYS_AHEAD = 32;
+  std::vector<float> p(w.rows * blocks * 8 + 8), inv(w.rows);
+  prefetch_rows(w.k, w.lo, std::min(w.hi, w.lo + 2 * KEYS_AHEAD), D);
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  for (int64_t g = 0; g < w.rows; ++g) {
+    const float* qr = w.q + g * w.qstride;
+    float* pr = p.data() + g * n;
+    __m256 mx = minus_inf;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t s0 = w.lo + 8 * b, keys = std::min<int64_t>(8, w.hi - s0);
+      if (g == 0 && s0 + 2 * KEYS_AHEAD < w.hi)
+        prefetch_rows(w.k, s0 + 2 * KEYS_AHEAD, std::min(w.hi, s0 + 2 * KEYS_AHEAD + 8), D);
+      const __m256 allowed = allowed8(w.m + s0, keys);
+      __m256 sc = minus_inf;
+      if (_mm256_movemask_ps(allowed)) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        const float* kr[8];  // (past the last key: the last again, its score masked)
+        for (int i = 0; i < 8; ++i) kr[i] = w.k + std::min(s0 + i, w.hi - 1) * D;
+        for (int64_t c = 0; c < D; c += 8) {
+          const __m256 qc = _mm256_loadu_ps(qr + c);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr[i] + c), acc[i]);
+        }
+        sc = _mm256_blendv_ps(minus_inf, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)), allowed);
+      }
+      mx = _mm256_max_ps(mx, sc);
+      _mm256_storeu_ps(pr + 8 * b, sc);  // (p has room for the last block's 8)
+    }
+    if (g == 0) prefetch_rows(w.v, w.lo, std::min(w.hi, w.lo + 2 * KEYS_AHEAD), D);
+    const float top = hmax256(mx);
+    if (top == -INFINITY) {  // no key allowed: zeros, as ATen's kernels give
+      std::fill_n(pr, n, 0.f);
+      inv[g] = 0.f;
+      continue;
+    }
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t keys = std::min<int64_t>(8, n - 8 * b);
+      const __m256 valid = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(int(keys)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      const __m256 sc = _mm256_loadu_ps(pr + 8 * b);
+      const __m256 live = _mm256_and_ps(valid, _mm256_cmp_ps(sc, minus_inf, _CMP_NEQ_OQ));
+      const __m256 e = _mm256_and_ps(live, exp256(_mm256_sub_ps(sc, _mm256_set1_ps(top))));
+      _mm256_storeu_ps(pr + 8 * b, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv[g] = 1.f / hsum256(sum);
+  }
+  // rows are n apart in p (each row's last block spills into the next row's first: written before it is read again)
+  for (int64_t c0 = 0; c0 < D; c0 += 32) {
+    switch (std::min<int64_t>(4, (D - c0) / 8)) {
+      case 4: weigh_values_avx2<4>(w, p.data(), n, inv.data(), int(w.rows), c0); break;
+      case 3: weigh_values_avx2<3>(w, p.data(), n, inv.data(), int(w.rows), c0); break;
+      case 2: weigh_values_avx2<2>(w, p.data(), n, inv.data(), int(w.rows), c0); break;
+      default: weigh_values_avx2<1>(w, p.data(), n, inv.data(), int(w.rows), c0); break;
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------- operators
 
 // fn(n0, n1) over the weight rows [0, N): one contiguous share of whole tiles per thread, so that each thread reads
@@ -905,8 +1029,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
 }
 
 // softmax(q k^T / sqrt(D), where mask) v. q [B, H, G * T, D] float32 (row g * T + t: query head g of kv head h's
-// group, token t), k and v [B, H, S, D] (the cache), mask [B or 1, 1, T, S] bool. Own kernel for T <= 16 on AVX-512;
-// otherwise (prefill, other CPUs) ATen's, on the keys up to the last any token may see.
+// group, token t), k and v [B, H, S, D] (the cache), mask [B or 1, 1, T, S] bool. Own kernels for T <= 16 on
+// AVX-512 and AVX2; otherwise (prefill, other CPUs) ATen's, on the keys up to the last any token may see.
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask_in) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: float32 [B, H, G * T, D]");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kFloat &&
@@ -933,7 +1057,8 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
     work += hi[i] - lo[i];
   }
   if (last == 0) return at::zeros_like(q_in);  // no token sees any key (ATen's kernels give zeros too)
-  if (T > 16 || D % 16 || !k.is_contiguous() || !v.is_contiguous() || isa() != AVX512_VNNI) {
+  const Isa path = isa();
+  if (T > 16 || D % 16 || !k.is_contiguous() || !v.is_contiguous() || path == PORTABLE) {
     const at::Tensor m = mask.narrow(3, 0, last).unsqueeze(2).expand({B, 1, G, T, last}).reshape({B, 1, R, last});
     return at::scaled_dot_product_attention(q_in, k.narrow(2, 0, last), v.narrow(2, 0, last), m).contiguous();
   }
@@ -960,7 +1085,8 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
                             v.data_ptr<float>() + (b * H + h) * S * D, mp + (b * T + t) * S,
                             out.data_ptr<float>() + ((b * H + h) * R + t) * D, G, T * D, D, lo[b * T + t],
                             hi[b * T + t]};
-      attend_avx512(w, scale);
+      if (path == AVX512_VNNI) attend_avx512(w, scale);
+      else attend_avx2(w, scale);
     }
   };
   if (work * H * G * D < (1 << 16)) run(0, tasks);
