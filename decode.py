@@ -233,6 +233,12 @@ def configure_compiler(device: str):
     import torch._inductor.config as inductor_config
     cuda = device.startswith("cuda")
     inductor_config.fx_graph_cache = True  # a second run of the same model reuses the compiled kernels
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and not cuda and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # that cache's key leaves this variable out: code generated for one instruction set was built for the other
+        # in a later run and wrote past its buffers. A cache of its own per forced capability.
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{capability}"
     if not cuda and os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None \
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         # skip inductor's per-process probe build of each vector ISA: ATen already runs this CPU's kernels, and any

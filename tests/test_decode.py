@@ -2,6 +2,8 @@
 layer and every model of its shape, or the whole model in one graph with its weights frozen in), two models of
 the same shape in one process (a target and a draft) never get each other's weights, and generation runs
 without autograd (so that inductor can freeze weights into whole-model graphs)."""
+import os
+
 import pytest
 import torch
 
@@ -142,6 +144,23 @@ def test_generation_runs_without_autograd(random_target, monkeypatch):
 
     greedy(decode.Engine(model, decode_one_token=watched), torch.tensor([1, 2, 3]), n=3)
     assert seen and not any(seen)
+
+
+def test_a_forced_cpu_capability_gets_an_inductor_cache_of_its_own(monkeypatch):
+    """Inductor's FX graph cache is keyed without ATEN_CPU_CAPABILITY: a run forcing it (avx2 on an AVX-512 CPU) and
+    a plain run must not share kernels generated for one instruction set and built for the other (they wrote past
+    their buffers). A cache directory the user named wins."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    decode.configure_compiler.cache_clear()
+    decode.configure_compiler("cpu")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    decode.configure_compiler.cache_clear()
+    decode.configure_compiler("cpu")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+    decode.configure_compiler.cache_clear()
 
 
 def test_compile_engine_skips_inductors_vector_isa_probe(random_target, monkeypatch):
