@@ -705,7 +705,7 @@ def test_sigterm_ends_in_flight_requests_and_exits(tokenizer_model, tmp_path):
                                   block_size=4096)
     process, running = launch(checkpoint, "--max_batch_size", 2)
     try:
-        # greedy: this model's answer holds no end token for thousands of tokens (a sampled one could end it
+        # greedy: this model's answer holds no end token in its first thousand (a sampled one could end it
         # before the signal, a flaky failure)
         connection, response = stream_request(running, {"prompt": "go on", "max_tokens": 4000, "temperature": 0})
         assert response.readline().startswith(b"data: ")
