@@ -1,7 +1,7 @@
 """Stored compiled graphs: where they live, what keys them, and why loading one is safe.
 
 A stored graph is the shared library AOTInductor compiles (its code and frozen weights), so loading one runs
-native code; stored kernels (decode.CompileCache, NAME.bin: torch's cache artifacts) hold compiled code as well.
+native code; stored kernels (compilation.CompileCache, NAME.bin: torch's cache artifacts) hold compiled code as well.
 Two rules keep that safe and correct:
 - Keyed: its name and its metadata carry a hash of everything that changes the code generated (the weights file's
   identity, the config, the dtypes and quantization scheme, the shapes, the compile options, the torch version, the

@@ -140,7 +140,7 @@ class DraftHead(nn.Module):
         self.embeddings: Optional[nn.Embedding] = None  # the target's (attach()): not the head's to store
         self.max_batch_size = self.max_seq_length = -1
         self.positions = 0
-        self.compiled = None  # body() compiled or stored (decode.compile_head); None: eager
+        self.compiled = None  # body() compiled or stored (compilation.compile_head); None: eager
         self.checkpoint_path, self.quantization = None, None  # its weights file and scheme (load_head)
 
     def attach(self, target: Transformer) -> "DraftHead":
@@ -179,7 +179,7 @@ class DraftHead(nn.Module):
         return (self.compiled or self.body)(embedded, hidden, input_pos, slots, mask)
 
     def body(self, embedded: Tensor, hidden: Tensor, input_pos: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-        """forward() from the tokens' embeddings on: what decode.compile_head compiles (the target's embedding table
+        """forward() from the tokens' embeddings on: what compilation.compile_head compiles (the target's embedding table
         stays outside the head's graphs)."""
         x = torch.cat([self.input_norm(embedded), self.hidden_norm(hidden)], -1)
         h = hidden + self.attention(x, self.rope_table[input_pos], mask, slots)
@@ -293,7 +293,7 @@ def load_head(path, target: Transformer, int8: bool = True) -> DraftHead:
     head = head.to(device=weight.device, dtype=dtype).attach(target).requires_grad_(False)
     if int8 and weight.device.type == "cpu":
         quantize_head(head)
-    head.checkpoint_path = weights  # what keys its stored graphs (decode.compile_head)
+    head.checkpoint_path = weights  # what keys its stored graphs (compilation.compile_head)
     return head
 
 

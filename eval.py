@@ -25,7 +25,8 @@ interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from decode import COMPILE_MODES, PRECISIONS, Engine, Sampling, compile_engine, sdpa_context  # noqa: E402
+from compilation import COMPILE_MODES  # noqa: E402
+from decode import PRECISIONS, Engine, Sampling, compile_engine, sdpa_context  # noqa: E402
 from generation import Generator, check_engine_settings, load_model, reserve_caches  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402

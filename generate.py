@@ -12,7 +12,8 @@ from errors import UserError, flag_names, interruptible_imports, run_cli
 interruptible_imports(__name__)
 import torch  # noqa: E402 (Ctrl-C while it loads: one line)
 
-from decode import COMPILE_MODES, PRECISIONS  # noqa: E402
+from compilation import COMPILE_MODES  # noqa: E402
+from decode import PRECISIONS  # noqa: E402
 from generation import Settings, Speculation, run  # noqa: E402
 
 DEFAULTS = Settings()

@@ -23,8 +23,9 @@ from typing import Optional, Union
 import torch
 
 import artifacts
-from decode import COMPILE_MODES, EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, compile_head, \
-    decode_n_tokens, model_key_fields, sample, sdpa_context
+from compilation import COMPILE_MODES, compile_head, model_key_fields
+from decode import EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sample, \
+    sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
 from model import ModelArgs, Transformer

@@ -326,7 +326,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_length = -1
-        self.round_cache_length = False  # stored graphs (decode.StoredForward): one per cache length, so few lengths
+        self.round_cache_length = False  # stored graphs (compilation.StoredForward): one per cache length, so few lengths
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None):
         """Allocate the KV cache and RoPE table once; nothing is reallocated per token."""

@@ -37,7 +37,8 @@ from errors import UserError, interruptible_imports
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 
-from decode import COMPILE_MODES, PRECISIONS, Sampling, chosen_is_finite, logits_to_probs, sdpa_context  # noqa: E402
+from compilation import COMPILE_MODES  # noqa: E402
+from decode import PRECISIONS, Sampling, chosen_is_finite, logits_to_probs, sdpa_context  # noqa: E402
 from generation import FiniteWatch, Generator, Speculation  # noqa: E402
 
 log = logging.getLogger("serve")

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 import benchlib  # noqa: E402
 from benchlib import ROOT
+import compilation  # noqa: E402
 import decode  # noqa: E402
 import generation  # noqa: E402
 from tokenizer import get_tokenizer
@@ -153,7 +154,7 @@ def real_model(args):
     mode = "none" if args.no_compile else ("autotune" if args.autotune else "auto")
     target = generation.load_model(model_pth)
     eos = sorted(set(target.args.eos_token_ids) | set(tokenizer.eos_ids))  # --stop_at_eos: answers end there
-    head = decode.compile_head(load_head(head_dir, target), "cpu", mode)
+    head = compilation.compile_head(load_head(head_dir, target), "cpu", mode)
     plain_engine = decode.compile_engine(target, "cpu", mode)
     head_engine = decode.compile_engine(target, "cpu", mode, features=head.args.target_layers)
     drafts = {scheme: decode.compile_engine(generation.load_model(benchlib.quantized_checkpoint(model_pth, scheme, 32)),

@@ -5,7 +5,7 @@
     python scripts/compile_model.py --checkpoint_path .../model.pth --draft_head .../head   # the head's graphs too
 
 On CUDA (and for `--compile whole` / `regional`) the graphs compile in the process and what is stored is their
-kernels (decode.CompileCache), so later processes skip code generation, builds and autotuning.
+kernels (compilation.CompileCache), so later processes skip code generation, builds and autotuning.
 A stored graph serves one batch size and one cache length (prompt + new tokens, rounded up to a power of two from
 256); it is dynamic in the tokens per call, so decode, verification and prefill share it. --max_tokens lists the
 cache lengths to build (default 256 and 512: what generate.py's default 200 new tokens after a prompt of up to 300

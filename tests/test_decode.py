@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import compilation
 import decode
 import generation
 from errors import UserError
@@ -48,17 +49,17 @@ def test_auto_compile_mode_stores_graphs_of_checkpoints():
     """auto and autotune store their graphs for a model loaded from a file (no tensor parallelism), on CPU and CUDA;
     a model built in code has no place to store them and compiles regionally on CPU, whole (CUDA graphs) on CUDA;
     the other modes are kept as asked, and an unknown one is refused with one line."""
-    assert decode.resolve_mode("auto", "cpu") == "stored"
-    assert decode.resolve_mode("autotune", "cpu") == "stored-autotune"
-    assert decode.resolve_mode("auto", "cuda") == "stored"
-    assert decode.resolve_mode("autotune", "cuda:1") == "stored-autotune"
-    assert decode.resolve_mode("auto", "cpu", storable=False) == "regional"
-    assert decode.resolve_mode("auto", "cuda", storable=False) == "whole"
-    assert decode.resolve_mode("autotune", "cpu", storable=False) == "autotune"
-    assert decode.resolve_mode("whole", "cpu") == "whole"
-    assert decode.resolve_mode("regional", "cpu") == "regional"
+    assert compilation.resolve_mode("auto", "cpu") == "stored"
+    assert compilation.resolve_mode("autotune", "cpu") == "stored-autotune"
+    assert compilation.resolve_mode("auto", "cuda") == "stored"
+    assert compilation.resolve_mode("autotune", "cuda:1") == "stored-autotune"
+    assert compilation.resolve_mode("auto", "cpu", storable=False) == "regional"
+    assert compilation.resolve_mode("auto", "cuda", storable=False) == "whole"
+    assert compilation.resolve_mode("autotune", "cpu", storable=False) == "autotune"
+    assert compilation.resolve_mode("whole", "cpu") == "whole"
+    assert compilation.resolve_mode("regional", "cpu") == "regional"
     with pytest.raises(UserError, match="fastest"):
-        decode.resolve_mode("fastest", "cpu")
+        compilation.resolve_mode("fastest", "cpu")
     in_code = Transformer(ModelArgs(dim=32, n_layer=2, n_head=2, vocab_size=64, block_size=32))
     # a regional engine runs the model with the compiled block, not a compiled model
     assert not isinstance(decode.compile_engine(in_code, "cpu").forward, torch._dynamo.eval_frame.OptimizedModule)
@@ -95,12 +96,12 @@ def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target
     compile mode (CUDA graphs, autotune) is passed on as it is; the templates' tokens equal eager decoding's."""
     import quantize
     model = generation.load_model(random_target)
-    assert decode.graph_options(model, "cpu", "whole") == {"options": decode.CPP_GEMM_OPTIONS}
-    assert decode.graph_options(model.to(torch.bfloat16), "cpu", "whole") == {"options": decode.CPP_GEMM_OPTIONS}
-    assert decode.graph_options(model, "cpu", "autotune") == {"mode": "max-autotune"}
-    assert decode.graph_options(model, "cuda", "whole") == {"mode": "reduce-overhead"}
+    assert compilation.graph_options(model, "cpu", "whole") == {"options": compilation.CPP_GEMM_OPTIONS}
+    assert compilation.graph_options(model.to(torch.bfloat16), "cpu", "whole") == {"options": compilation.CPP_GEMM_OPTIONS}
+    assert compilation.graph_options(model, "cpu", "autotune") == {"mode": "max-autotune"}
+    assert compilation.graph_options(model, "cuda", "whole") == {"mode": "reduce-overhead"}
     quantize.apply_quantization_scheme(model, {"mode": "int8"})
-    assert decode.graph_options(model, "cpu", "whole") == {}
+    assert compilation.graph_options(model, "cpu", "whole") == {}
     from torch._dynamo.utils import counters
     model = generation.load_model(random_target)
     prompt = torch.tensor([1, 17, 33, 250, 7, 90])
@@ -108,7 +109,7 @@ def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target
     torch._dynamo.reset()
     counters.clear()
     engine = decode.compile_engine(model, "cpu", "whole")
-    assert engine.options == {"options": decode.CPP_GEMM_OPTIONS}  # what Engine.compile compiles other functions with
+    assert engine.options == {"options": compilation.CPP_GEMM_OPTIONS}  # what Engine.compile compiles other functions with
     assert decode.compile_engine(model, "cpu", "regional").compile(decode.decode_one_token) is None
     assert greedy(engine, prompt) == eager
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the products are the templates' kernels
@@ -121,15 +122,15 @@ def test_stored_graph_options_per_mode():
     kernels, which have threads of their own, and inductor's kernels beside them run on one. (Each mode's tokens equal eager decoding's: tests/test_stored.py builds the auto graph end to end; an
     autotuned build times every candidate kernel, a minute even for a one-layer model, so it is not rebuilt here.)"""
     model = Transformer(ModelArgs(dim=32, n_layer=1, n_head=2, vocab_size=64, block_size=32))
-    assert decode.stored_options(model, "stored") == {"freezing": True, **decode.CPP_GEMM_OPTIONS}
-    assert decode.stored_options(model, "stored-autotune") == {"freezing": True, "max_autotune": True}
+    assert compilation.stored_options(model, "stored") == {"freezing": True, **compilation.CPP_GEMM_OPTIONS}
+    assert compilation.stored_options(model, "stored-autotune") == {"freezing": True, "max_autotune": True}
     int8 = Transformer(ModelArgs(dim=32, n_layer=1, n_head=2, vocab_size=64, block_size=32)).requires_grad_(False)
     int8.layers[0].feed_forward.w1.weight.data = int8.layers[0].feed_forward.w1.weight.data.to(torch.int8)
-    assert decode.stored_options(int8, "stored") == {"freezing": True, "cpp.threads": 1}
-    assert decode.stored_options(int8, "stored-autotune") == {"freezing": True, "max_autotune": True, "cpp.threads": 1}
+    assert compilation.stored_options(int8, "stored") == {"freezing": True, "cpp.threads": 1}
+    assert compilation.stored_options(int8, "stored-autotune") == {"freezing": True, "max_autotune": True, "cpp.threads": 1}
     # CUDA: the kernels' binaries inside the one library that is signed and loaded; no CPU options
-    assert decode.stored_options(model, "stored", "cuda") == {"aot_inductor.embed_kernel_binary": True}
-    assert decode.stored_options(int8, "stored-autotune", "cuda:0") == {"aot_inductor.embed_kernel_binary": True,
+    assert compilation.stored_options(model, "stored", "cuda") == {"aot_inductor.embed_kernel_binary": True}
+    assert compilation.stored_options(int8, "stored-autotune", "cuda:0") == {"aot_inductor.embed_kernel_binary": True,
                                                                         "max_autotune": True}
 
 
@@ -153,14 +154,14 @@ def test_a_forced_cpu_capability_gets_an_inductor_cache_of_its_own(monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    decode.configure_compiler.cache_clear()
-    decode.configure_compiler("cpu")
+    compilation.configure_compiler.cache_clear()
+    compilation.configure_compiler("cpu")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-avx2"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
-    decode.configure_compiler.cache_clear()
-    decode.configure_compiler("cpu")
+    compilation.configure_compiler.cache_clear()
+    compilation.configure_compiler("cpu")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
-    decode.configure_compiler.cache_clear()
+    compilation.configure_compiler.cache_clear()
 
 
 def test_compile_engine_skips_inductors_vector_isa_probe(random_target, monkeypatch):
@@ -170,12 +171,12 @@ def test_compile_engine_skips_inductors_vector_isa_probe(random_target, monkeypa
     model = generation.load_model(random_target)
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
     monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
-    decode.configure_compiler.cache_clear()  # applied once per process: apply it again
+    compilation.configure_compiler.cache_clear()  # applied once per process: apply it again
     decode.compile_engine(model, "cpu", "whole")
     vector_cpu = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     assert inductor_config.cpp.vec_isa_ok is (True if vector_cpu else None)
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
     monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "1")
-    decode.configure_compiler.cache_clear()
+    compilation.configure_compiler.cache_clear()
     decode.compile_engine(model, "cpu", "whole")
     assert inductor_config.cpp.vec_isa_ok is None  # left to inductor, which reads the variable itself

@@ -8,7 +8,7 @@ import sys
 from helpers import ROOT
 
 # each imports only earlier ones
-ORDER = ["errors", "artifacts", "kernels", "model", "tokenizer", "quantize", "tp", "decode", "speculate", "draftmodel",
+ORDER = ["errors", "artifacts", "kernels", "model", "tokenizer", "quantize", "tp", "compilation", "decode", "speculate", "draftmodel",
          "drafthead", "crossdraft", "generation", "generate", "serve", "eval"]
 LIBRARY = ORDER[:ORDER.index("generation") + 1]
 ENTRY_POINTS = ORDER[len(LIBRARY):]  # run, never imported

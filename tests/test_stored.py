@@ -1,4 +1,4 @@
-"""Stored compiled graphs (decode.StoredForward, artifacts.py): the same tokens as eager and in-process compiled
+"""Stored compiled graphs (compilation.StoredForward, artifacts.py): the same tokens as eager and in-process compiled
 engines, loaded by a later engine without building, and never used when anything in their key changed, when they
 are truncated, or when someone else wrote them."""
 import importlib.util
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import artifacts
+import compilation
 import decode
 import generation
 import kernels
@@ -122,7 +123,7 @@ def key_for(path, **change):
     """The key StoredForward computes for `path`'s model, after `change` (threads, torch, mode)."""
     model = generation.load_model(path)
     model.setup_caches(1, 64)
-    forward = decode.StoredForward(model, "cpu", change.get("mode", "stored"))
+    forward = compilation.StoredForward(model, "cpu", change.get("mode", "stored"))
     return artifacts.key_of(forward.key_fields(1, 1, 64))
 
 
@@ -160,7 +161,7 @@ def test_a_draft_heads_key_follows_its_weights_and_scheme(checkpoint, tmp_path):
     def key(directory, int8=True):
         head = load_head(directory, model, int8=int8)
         head.setup_caches(1, 64)
-        return artifacts.key_of(decode.StoredHead(head, "cpu", "stored").key_fields(1, 1, 64))
+        return artifacts.key_of(compilation.StoredHead(head, "cpu", "stored").key_fields(1, 1, 64))
     save_head(random_head(model, 256, seed=6), tmp_path / "head")
     base = key(tmp_path / "head")
     assert key(tmp_path / "head") == base
@@ -323,7 +324,7 @@ print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_ca
 @pytest.mark.slow  # three processes, each compiling or loading the regional graphs
 def test_in_process_graphs_store_their_kernels_and_a_later_process_compiles_nothing(checkpoint, tmp_path):
     """Modes compiled in the process (CUDA's whole graphs, regions on CPU) store their kernels beside the checkpoint
-    (decode.CompileCache): a later process with an empty inductor cache generates the same tokens with no graph
+    (compilation.CompileCache): a later process with an empty inductor cache generates the same tokens with no graph
     code-generated again; a changed (or foreign) kernel file is refused with one line and written again."""
     def run(name):
         return run_script(KERNELS_RUN, checkpoint, tmp_path / name)
@@ -346,12 +347,12 @@ FALLBACK_RUN = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
 from torch._dynamo.utils import counters
-import decode, generation
+import compilation, decode, generation
 torch.set_num_threads(1)
 def fails(*args):
     raise RuntimeError("cannot export this model")
-decode.StoredForward.export = fails
-decode.graph_options = lambda model, device, mode: {{"options": {{"freezing": False}}}}  # frozen: not cacheable
+compilation.StoredForward.export = fails
+compilation.graph_options = lambda model, device, mode: {{"options": {{"freezing": False}}}}  # frozen: not cacheable
 engine = decode.compile_engine(generation.load_model({path!r}), "cpu", "auto")
 rows, _ = generation.generate(engine, torch.tensor([1, 5, 9, 2, 7]), 6, decode.Sampling(), [], stop_at_eos=False)
 print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_cache_miss"],
@@ -362,7 +363,7 @@ print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_ca
 @pytest.mark.slow  # two processes compiling or loading a whole graph
 def test_a_shape_compiled_in_the_process_instead_keeps_its_kernels(checkpoint, tmp_path):
     """Where a stored graph cannot be built (or loaded) here, that shape is compiled in the process, and its kernels
-    are stored like an in-process engine's (decode.CompileCache): later processes, each with an empty inductor cache
+    are stored like an in-process engine's (compilation.CompileCache): later processes, each with an empty inductor cache
     and the failure marker, give the same tokens and load the kernels instead of compiling them (the second process
     traced one of the two graphs differently from the first and compiled it; from the third on, nothing)."""
     def run(name):
@@ -407,13 +408,13 @@ def test_a_built_graph_is_tried_in_a_child_process(stored):
     greedy(stored_engine(stored), n=2)  # built by an earlier test, or here
     library = next((stored.parent / "compiled").glob("*.so"))
     table = library.with_suffix(".json").read_text() if library.with_suffix(".json").exists() else None
-    examples = [decode.example_inputs(1, 64, "cpu", tokens) for tokens in (1, 4)]
-    decode.loads_in_child(library, table, "cpu", examples)
+    examples = [compilation.example_inputs(1, 64, "cpu", tokens) for tokens in (1, 4)]
+    compilation.loads_in_child(library, table, "cpu", examples)
     broken = library.parent / "broken.so"
     broken.write_bytes(library.read_bytes()[:4096])
     try:
         with pytest.raises(RuntimeError, match="child process failed"):
-            decode.loads_in_child(broken, table, "cpu", examples)
+            compilation.loads_in_child(broken, table, "cpu", examples)
     finally:
         broken.unlink()
 
@@ -422,8 +423,8 @@ def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "CHILD_CHECK", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     library = tmp_path / "graph.so"
     library.write_bytes(b"\0")
-    with pytest.raises(decode.LoaderCrashed, match="signal 11"):
-        decode.loads_in_child(library, None, "cuda", [decode.example_inputs(1, 64, "cpu", 1)])
+    with pytest.raises(compilation.LoaderCrashed, match="signal 11"):
+        compilation.loads_in_child(library, None, "cuda", [compilation.example_inputs(1, 64, "cpu", 1)])
     assert list(tmp_path.iterdir()) == [library]  # its check directory removed
 
 
@@ -434,8 +435,8 @@ def test_a_hang_in_the_child_is_a_loader_failure_and_ends(tmp_path, monkeypatch)
     library = tmp_path / "graph.so"
     library.write_bytes(b"\0")
     start = time.monotonic()
-    with pytest.raises(decode.LoaderCrashed, match="hung"):
-        decode.loads_in_child(library, None, "cuda", [decode.example_inputs(1, 64, "cpu", 1)], timeout=1)
+    with pytest.raises(compilation.LoaderCrashed, match="hung"):
+        compilation.loads_in_child(library, None, "cuda", [compilation.example_inputs(1, 64, "cpu", 1)], timeout=1)
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == [library]
 
@@ -449,18 +450,18 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
     def forward():
         model = generation.load_model(checkpoint)
         model.setup_caches(1, 64)
-        return decode.StoredForward(model, "cpu", "stored")
-    monkeypatch.setattr(decode.StoredForward, "export", fails)
+        return compilation.StoredForward(model, "cpu", "stored")
+    monkeypatch.setattr(compilation.StoredForward, "export", fails)
     run, bind = forward().load(1, 1, 64)
     assert bind is None and callable(run)
     assert "cannot store" in capsys.readouterr().err
     assert len(list((checkpoint.parent / "compiled").glob("*.failed"))) == 1
-    monkeypatch.setattr(decode.StoredForward, "export", lambda *args: pytest.fail("built again"))
+    monkeypatch.setattr(compilation.StoredForward, "export", lambda *args: pytest.fail("built again"))
     run, bind = forward().load(1, 1, 64)
     assert bind is None and callable(run)
     err = capsys.readouterr().err
     assert "could not be stored here (RuntimeError: cannot export this model)" in err and len(err.splitlines()) == 1
-    monkeypatch.setattr(decode.StoredForward, "export", fails)
+    monkeypatch.setattr(compilation.StoredForward, "export", fails)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another key
     try:
@@ -475,9 +476,9 @@ def test_stats_say_the_graphs_ran_in_the_process_where_none_could_be_stored(chec
     `whole`, not `stored`."""
     def fails(*args):
         raise RuntimeError("cannot export this model")
-    monkeypatch.setattr(decode.StoredForward, "export", fails)
+    monkeypatch.setattr(compilation.StoredForward, "export", fails)
     # the in-process graph itself is the whole mode's (tested with it); eager here keeps this test fast
-    monkeypatch.setattr(decode.StoredForward, "compiled_in_process", lambda self: self.model)
+    monkeypatch.setattr(compilation.StoredForward, "compiled_in_process", lambda self: self.model)
     stats = generation.run(generation.Settings(checkpoint_path=checkpoint, prompt="hello", num_samples=1,
                                                max_new_tokens=4, temperature=0, compile="auto"), say=lambda *a: None)
     assert stats["compile_mode"] == "whole" and "cannot store" in capsys.readouterr().err
@@ -496,22 +497,22 @@ def test_a_loader_that_crashed_is_given_no_other_graph_to_build(checkpoint, tmp_
         torch.set_num_threads(threads)  # part of the key: each thread count is another graph
         model = generation.load_model(checkpoint)
         model.setup_caches(1, 64)
-        return decode.StoredForward(model, "cpu", "stored")
+        return compilation.StoredForward(model, "cpu", "stored")
 
     def fails(*args):
         raise RuntimeError("loading it in a child process failed (exit 1: a wrong output)")
 
     def crashes(*args):
-        raise decode.LoaderCrashed("loading it in a child process failed (signal 11)")
+        raise compilation.LoaderCrashed("loading it in a child process failed (signal 11)")
     threads = torch.get_num_threads()
     try:
-        monkeypatch.setattr(decode.StoredForward, "export", fails)
+        monkeypatch.setattr(compilation.StoredForward, "export", fails)
         forward(threads + 1).load(1, 1, 64)
         assert "cannot store" in capsys.readouterr().err and not artifacts.loader_crashed("cpu")
-        monkeypatch.setattr(decode.StoredForward, "export", crashes)
+        monkeypatch.setattr(compilation.StoredForward, "export", crashes)
         forward(threads + 2).load(1, 1, 64)
         assert "signal 11" in capsys.readouterr().err and artifacts.loader_crashed("cpu")
-        monkeypatch.setattr(decode.StoredForward, "export", lambda *args: pytest.fail("built again"))
+        monkeypatch.setattr(compilation.StoredForward, "export", lambda *args: pytest.fail("built again"))
         run, bind = forward(threads + 3).load(1, 1, 64)
         assert bind is None and callable(run)
         err = capsys.readouterr().err.splitlines()
@@ -549,7 +550,7 @@ class FakeCudaGraphs:
 
 
 def test_stored_cuda_graphs_replay_few_token_calls_only_where_the_replay_equals_the_direct_run(monkeypatch, capsys):
-    """decode.Replayed's bookkeeping (the CUDA graph API faked on the CPU): the first call of a shape runs directly,
+    """compilation.Replayed's bookkeeping (the CUDA graph API faked on the CPU): the first call of a shape runs directly,
     the second captures and checks a replay against the direct run, later calls copy their inputs in and replay;
     long calls always run directly; new cache tensors drop the captures; a replay that differs is never used."""
     fakes = FakeCudaGraphs(monkeypatch)
@@ -561,7 +562,7 @@ def test_stored_cuda_graphs_replay_few_token_calls_only_where_the_replay_equals_
         if fakes.capturing is not None:
             fakes.capturing.call, fakes.capturing.outputs = (lambda: [x * 2 + pos]), out
         return out
-    replayed = decode.Replayed(run)
+    replayed = compilation.Replayed(run)
     for i in range(4):
         x, pos = torch.full((1, 1), i), torch.full((1, 1), 10 * i)
         assert replayed(x, pos)[0].item() == 2 * i + 10 * i
@@ -573,7 +574,7 @@ def test_stored_cuda_graphs_replay_few_token_calls_only_where_the_replay_equals_
     assert calls == [True]
 
     fakes.differ = True
-    replayed = decode.Replayed(run)
+    replayed = compilation.Replayed(run)
     results = [replayed(torch.full((1, 1), i), torch.zeros(1, 1))[0].item() for i in range(4)]
     assert results == [0, 2, 4, 6]
     assert "not replayed from a CUDA graph (its replay differs" in capsys.readouterr().err
