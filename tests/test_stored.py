@@ -420,7 +420,7 @@ def test_a_built_graph_is_tried_in_a_child_process(stored):
 
 
 def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
-    monkeypatch.setattr(decode, "CHILD_CHECK", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    monkeypatch.setattr(compilation, "CHILD_CHECK", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     library = tmp_path / "graph.so"
     library.write_bytes(b"\0")
     with pytest.raises(compilation.LoaderCrashed, match="signal 11"):
@@ -431,7 +431,7 @@ def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
 def test_a_hang_in_the_child_is_a_loader_failure_and_ends(tmp_path, monkeypatch):
     """A loader that hangs (as AOTInductor's did on a GPU measured) is stopped after the timeout and reported like a
     crash, so that the machine is marked and no later build waits on it again."""
-    monkeypatch.setattr(decode, "CHILD_CHECK", "import time; time.sleep(60)")
+    monkeypatch.setattr(compilation, "CHILD_CHECK", "import time; time.sleep(60)")
     library = tmp_path / "graph.so"
     library.write_bytes(b"\0")
     start = time.monotonic()
