@@ -883,3 +883,20 @@ def test_chat_page_streams_answers_and_stops(slow_server, tmp_path):
         print(f"screenshot: {shot}")
         assert page.locator(".user").count() == 2 and shot.stat().st_size > 0
         browser.close()
+
+
+@pytest.mark.slow
+def test_bench_serve_compares_a_lone_client_with_generate(random_target, tmp_path):
+    """scripts/bench_serve.py --versus_generate: generate.py's plain tokens/s on the same checkpoint and prompt, and
+    one client's on a server of each B, with their ratio, printed and in the JSON."""
+    out = tmp_path / "versus.json"
+    done = subprocess.run([sys.executable, "scripts/bench_serve.py", "--checkpoint_path", str(random_target),
+                           "--versus_generate", "--batch_sizes", "4", "--seconds", "2", "--max_tokens", "8",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "generate.py plain:" in done.stdout and "answer tok/s" in done.stdout
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert row["batch_size"] == 4 and row["answers"] >= 1 and result["generate_tokens_per_sec"] > 0
+    assert row["ratio"] == pytest.approx(row["answer_tokens_per_sec"] / result["generate_tokens_per_sec"])
+    assert row["decode_ratio"] == pytest.approx(row["decode_tokens_per_sec"] / result["generate_tokens_per_sec"])
