@@ -1,6 +1,7 @@
 """Errors a user can fix, and the file handling every command shares: one line per mistake, checkpoints read
 without running code, files written whole or not at all. Imports no torch at load time, so that a command can
 import it first and be interrupted with one line while torch loads (interruptible_imports)."""
+import contextlib
 import errno
 import os
 import re
@@ -98,6 +99,26 @@ def causes(e: BaseException, depth: int = 8) -> list:
             return chain
         chain.append(e)
     return chain
+
+
+@contextlib.contextmanager
+def quiet_stderr(unless: str = ""):
+    """Standard error at the file descriptor (where C++ libraries write: torch's c10d log, kineto) sent to /dev/null
+    within the block, for a step whose failure this program reports in its own line; unless FASTGEN_TRACEBACK (or
+    the environment variable `unless`) asks for everything."""
+    if os.environ.get("FASTGEN_TRACEBACK") or (unless and os.environ.get(unless)):
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def flag_names(message: str, flags: dict) -> str:
@@ -300,7 +321,8 @@ def flush_to_disk(path: Path):
             raise
 
 
-PARTIAL_NAME = re.compile(r"\..+\.partial-(\d+)-\w+(\.pt2)?")  # partial_file's names (+ the AOTInductor package's)
+# partial_file's names (+ the AOTInductor package's, and the profiler's own temp file)
+PARTIAL_NAME = re.compile(r"\..+\.partial-(\d+)-\w+(\.pt2|\.tmp)?")
 
 
 def remove_stale_partials(directory: Path):
