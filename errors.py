@@ -81,7 +81,8 @@ def expected_failure(e: Exception):
     return None
 
 
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a file that did not fit: never a failure code handles and goes on
+# no room for a file (disk, quota, file size limit): whatever exception carries one of these, it is the reason
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 WRITE_FIXES = {errno.ENOSPC: "free some space or write elsewhere",
                errno.EDQUOT: "free some of your disk quota or write elsewhere",
                errno.EFBIG: "raise the file size limit (ulimit -f) or write to another file system",
