@@ -604,12 +604,12 @@ def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(smal
     with room builds it."""
     def export(self, example, length, tmp):
         torch.save({"library": torch.zeros(1 << 18)}, tmp)
-    monkeypatch.setattr(decode.StoredForward, "export", export)
+    monkeypatch.setattr(compilation.StoredForward, "export", export)
     checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
                                   n_head=2, vocab_size=512, block_size=64)
     model = generation.load_model(checkpoint)
     model.setup_caches(1, 64)
-    forward = decode.StoredForward(model, "cpu", "stored")
+    forward = compilation.StoredForward(model, "cpu", "stored")
     lines = full_disk_run(small_disk, 64 << 10, lambda: forward.load(1, 1, 64), capsys)
     compiled = checkpoint.parent / "compiled"
     assert lines[-1].startswith(f"error: {small_disk.cause}: {compiled}/model-") and ".so: " in lines[-1], lines
@@ -618,11 +618,11 @@ def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(smal
 
 
 def test_a_full_disk_while_keeping_compiled_kernels_is_one_line(small_disk, tokenizer_model, monkeypatch, capsys):
-    """An in-process compile's kernels (decode.CompileCache, NAME.bin) stored on a full disk: torch's cache artifacts
+    """An in-process compile's kernels (compilation.CompileCache, NAME.bin) stored on a full disk: torch's cache artifacts
     patched to a blob of 1 MiB, written by the real writer."""
     checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
                                   n_head=2, vocab_size=512, block_size=64)
-    cache = decode.CompileCache(generation.load_model(checkpoint), "cpu", "whole")
+    cache = compilation.CompileCache(generation.load_model(checkpoint), "cpu", "whole")
     monkeypatch.setattr(decode, "compiled_count", lambda: cache.compiled + 1)
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (bytes(1 << 20), None))
     lines = full_disk_run(small_disk, 64 << 10, cache.save_if_new, capsys)
