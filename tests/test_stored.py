@@ -623,7 +623,7 @@ def test_a_full_disk_while_keeping_compiled_kernels_is_one_line(small_disk, toke
     checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
                                   n_head=2, vocab_size=512, block_size=64)
     cache = compilation.CompileCache(generation.load_model(checkpoint), "cpu", "whole")
-    monkeypatch.setattr(decode, "compiled_count", lambda: cache.compiled + 1)
+    monkeypatch.setattr(compilation, "compiled_count", lambda: cache.compiled + 1)
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (bytes(1 << 20), None))
     lines = full_disk_run(small_disk, 64 << 10, cache.save_if_new, capsys)
     assert lines == [f"error: {small_disk.cause}: {cache.directory / cache.name}.bin: "
