@@ -405,22 +405,24 @@ def test_a_process_that_loads_a_stored_graph_imports_no_compiler(stored, tmp_pat
 def test_a_built_graph_is_tried_in_a_child_process(stored):
     """What a CUDA build does before storing its graph (AOTInductor's loader crashed on a GPU measured): the library
     with its operator table loads and runs in a child process; a broken one is reported, not loaded here."""
-    greedy(stored_engine(stored), n=2)  # built by an earlier test, or here
+    engine = stored_engine(stored)
+    greedy(engine, n=2)  # built by an earlier test, or here
     library = next((stored.parent / "compiled").glob("*.so"))
     table = library.with_suffix(".json").read_text() if library.with_suffix(".json").exists() else None
     examples = [compilation.example_inputs(1, 64, "cpu", tokens) for tokens in (1, 4)]
-    compilation.loads_in_child(library, table, "cpu", examples)
+    constants = engine.stored.constants()
+    compilation.loads_in_child(library, table, "cpu", examples, constants=constants)
     broken = library.parent / "broken.so"
     broken.write_bytes(library.read_bytes()[:4096])
     try:
         with pytest.raises(RuntimeError, match="child process failed"):
-            compilation.loads_in_child(broken, table, "cpu", examples)
+            compilation.loads_in_child(broken, table, "cpu", examples, constants=constants)
     finally:
         broken.unlink()
 
 
 def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
-    monkeypatch.setattr(decode, "CHILD_CHECK", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    monkeypatch.setattr(compilation, "CHILD_CHECK", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     library = tmp_path / "graph.so"
     library.write_bytes(b"\0")
     with pytest.raises(compilation.LoaderCrashed, match="signal 11"):
@@ -431,7 +433,7 @@ def test_a_crash_in_the_child_is_reported_as_a_failure(tmp_path, monkeypatch):
 def test_a_hang_in_the_child_is_a_loader_failure_and_ends(tmp_path, monkeypatch):
     """A loader that hangs (as AOTInductor's did on a GPU measured) is stopped after the timeout and reported like a
     crash, so that the machine is marked and no later build waits on it again."""
-    monkeypatch.setattr(decode, "CHILD_CHECK", "import time; time.sleep(60)")
+    monkeypatch.setattr(compilation, "CHILD_CHECK", "import time; time.sleep(60)")
     library = tmp_path / "graph.so"
     library.write_bytes(b"\0")
     start = time.monotonic()
