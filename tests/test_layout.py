@@ -65,3 +65,16 @@ def test_no_import_cycle_among_top_level_modules():
 
     for name in graph:
         visit(name, [])
+
+
+# the front-page documents stay readable at a glance; history goes to docs/ (KiB: 1024 bytes)
+DOCUMENT_LIMITS = {"README.md": 12 * 1024, "BENCHMARKS.md": 30 * 1024}
+
+
+def test_front_page_documents_stay_short():
+    """README.md is a user's guide and BENCHMARKS.md one table of today's figures per goal: details belong in docs/,
+    earlier runs in docs/benchmark-history.md."""
+    for name, limit in DOCUMENT_LIMITS.items():
+        size = (ROOT / name).stat().st_size
+        assert size <= limit, (f"{name} is {size} bytes, over its {limit} ({limit // 1024} KiB): move details to "
+                               f"docs/ (earlier benchmark runs to docs/benchmark-history.md)")
