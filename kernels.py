@@ -209,6 +209,8 @@ def use_stored_layout(model: torch.nn.Module):
     tied to the embeddings stays the embeddings' table); quantized layers already hold their kernels' layout
     (quantize.pack_for_device); other float32 CPU weights are stored column-major (column_major_is_faster).
     Deterministic, unlike use_fast_weight_layout's timed choice: the same model and machine get the same layout."""
+    if any(t.device.type == "cpu" for t in model.parameters()):
+        a8_kernels()  # built (once per source) before native_f32_linear reads whether it is
     for module in model.modules():
         weight = module.weight if isinstance(module, torch.nn.Linear) else None
         if weight is None:
