@@ -1079,3 +1079,19 @@ def test_bench_serve_compares_a_lone_client_with_generate(random_target, tmp_pat
     assert row["batch_size"] == 4 and row["answers"] >= 1 and result["generate_tokens_per_sec"] > 0
     assert row["ratio"] == pytest.approx(row["answer_tokens_per_sec"] / result["generate_tokens_per_sec"])
     assert row["decode_ratio"] == pytest.approx(row["decode_tokens_per_sec"] / result["generate_tokens_per_sec"])
+
+
+@pytest.mark.slow
+def test_bench_serve_times_a_chats_last_turn_with_and_without_the_prefix_cache(random_target, tmp_path):
+    """scripts/bench_serve.py --chat_turns: the chat on a server with the prefix cache and on one without; the last
+    turn's prompt reuses the earlier turns, and every answer is the same both ways."""
+    out = tmp_path / "chat.json"
+    done = subprocess.run([sys.executable, "scripts/bench_serve.py", "--checkpoint_path", str(random_target),
+                           "--chat_turns", "3", "--chat_history", "120", "--max_tokens", "8", "--batch_sizes", "2",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TTFT cached" in done.stdout and "identical" in done.stdout
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["identical"] and row["turns"] == 3 and row["batch_size"] == 2
+    assert 0 < row["last_cached_tokens"] < row["last_prompt_tokens"]
+    assert row["speedup"] == pytest.approx(row["ttft_cold"] / row["ttft_cached"])
