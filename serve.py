@@ -924,14 +924,11 @@ class Mailbox:
 
 
 def create_app(service: Service):
+    """The routes: each a named handler; the completion endpoints share `complete`."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.requests import Request as HTTPRequest
-    from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
     from starlette.routing import Route
-
-    def error_response(e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
 
     async def health(request):
         if service.ready:
@@ -951,95 +948,18 @@ def create_app(service: Service):
     async def page(request):
         return FileResponse(STATIC / "chat.html", media_type="text/html")
 
-    async def complete(request: HTTPRequest, chat: bool):
-        service.check_key(request)
-        service.check_ready()
-        try:
-            body = json.loads(await read_body(request))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
-        except RecursionError:
-            raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
-        model = body.get("model")
-        if model is not None and model != service.model_name:
-            raise ApiError(400, f"`model` {json.dumps(model)[:80]} is not served here: use {service.model_name!r} "
-                           f"(GET /v1/models)", "model", "model_not_found")
-        settings = read_settings(body, chat)
-        scheduler = service.scheduler
-        if chat:
-            messages, param = read_messages(body), "messages"
-            try:
-                prompt_ids = scheduler.tokenizer.chat_ids(messages)
-            except UserError as e:
-                raise ApiError(400, f"`messages`: {e}", "messages", "invalid_value") from None
-        else:
-            prompt, param = body.get("prompt"), "prompt"
-            if prompt is None:
-                raise ApiError(400, "`prompt` is required: a string", "prompt", "missing_required_parameter")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise ApiError(400, "`prompt` must be a string", "prompt", "invalid_value")
-            prompt_ids = scheduler.tokenizer.encode_prompt(check_text(prompt, "prompt"))
-        context = scheduler.context
-        if not prompt_ids or len(prompt_ids) >= context:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server's context is {context} tokens "
-                           f"(prompt + completion): shorten `{param}`", param, "context_length_exceeded")
-        max_tokens = settings["max_tokens"]
-        if max_tokens is None:
-            max_tokens = context - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > context:
-            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + `max_tokens` ({max_tokens}) exceeds this "
-                           f"server's context of {context} tokens: lower `max_tokens` to at most "
-                           f"{context - len(prompt_ids)}", "max_tokens", "context_length_exceeded")
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        mailbox = next((m for m in scheduler.mailboxes if m.loop is loop), None)
-        if mailbox is None:  # this event loop's first request (one loop serves the app; tests run several)
-            mailbox = Mailbox(loop)
-            scheduler.mailboxes = [m for m in scheduler.mailboxes if not m.loop.is_closed()] + [mailbox]
-        r = Request(prompt_ids, max_tokens, Sampling(settings["temperature"], settings["top_k"], settings["top_p"]),
-                    settings["seed"], settings["stop"], functools.partial(mailbox.post, events))
-        scheduler.submit(r)
-        watcher = asyncio.create_task(watch_disconnect(request, r, scheduler, events))
-        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
-                "model": service.model_name}
-        if settings["stream"]:
-            return StreamingResponse(stream(r, events, watcher, scheduler, meta, chat, settings["include_usage"]),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            text, finish = "", None
-            while finish is None:
-                kind, value = await events.get()
-                if kind == "text":
-                    text += value
-                elif kind == "done":
-                    finish = value
-                elif kind == "error":
-                    raise value
-                else:  # the client went away
-                    return JSONResponse({}, status_code=499)
-        finally:
-            watcher.cancel()
-            scheduler.cancel(r)
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return JSONResponse(dict(meta, object="chat.completion" if chat else "text_completion", choices=[choice],
-                                 usage=usage(r), fastgen=r.stats()))
-
     async def chat_completions(request):
-        return await complete(request, chat=True)
+        return await complete(service, request, chat=True)
 
     async def completions(request):
-        return await complete(request, chat=False)
+        return await complete(service, request, chat=False)
 
     async def api_error(request, e: ApiError):
-        return error_response(e)
+        return JSONResponse(e.body(), status_code=e.status)
 
     async def http_error(request, e: HTTPException):
-        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                                       code="not_found" if e.status_code == 404 else None))
+        return await api_error(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                                 code="not_found" if e.status_code == 404 else None))
 
     app = Starlette(routes=[
         Route("/", page), Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
@@ -1048,6 +968,119 @@ def create_app(service: Service):
     ], exception_handlers={ApiError: api_error, HTTPException: http_error})
     app.state.service = service
     return app
+
+
+async def complete(service: Service, request, chat: bool):
+    """POST /v1/chat/completions (chat) or /v1/completions: the request read and checked, queued, then answered
+    whole or streamed."""
+    service.check_key(request)
+    service.check_ready()
+    body = await read_json(request)
+    check_model(body, service.model_name)
+    settings = read_settings(body, chat)
+    scheduler = service.scheduler
+    prompt_ids, param = read_prompt(body, chat, scheduler.tokenizer)
+    max_tokens = fit_context(prompt_ids, settings["max_tokens"], scheduler.context, param)
+    events = asyncio.Queue()
+    r = Request(prompt_ids, max_tokens, Sampling(settings["temperature"], settings["top_k"], settings["top_p"]),
+                settings["seed"], settings["stop"], functools.partial(mailbox_of(scheduler).post, events))
+    scheduler.submit(r)
+    watcher = asyncio.create_task(watch_disconnect(request, r, scheduler, events))
+    meta = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
+            "model": service.model_name}
+    if settings["stream"]:
+        from starlette.responses import StreamingResponse
+        return StreamingResponse(stream(r, events, watcher, scheduler, meta, chat, settings["include_usage"]),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await answer_whole(r, events, watcher, scheduler, meta, chat)
+
+
+async def read_json(request) -> dict:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(await read_body(request))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def check_model(body: dict, model_name: str):
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(400, f"`model` {json.dumps(model)[:80]} is not served here: use {model_name!r} "
+                       f"(GET /v1/models)", "model", "model_not_found")
+
+
+def read_prompt(body: dict, chat: bool, tokenizer) -> tuple:
+    """The prompt's token ids (a chat's through the chat template) and the name of the field they came from."""
+    if chat:
+        messages = read_messages(body)
+        try:
+            return tokenizer.chat_ids(messages), "messages"
+        except UserError as e:
+            raise ApiError(400, f"`messages`: {e}", "messages", "invalid_value") from None
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "`prompt` is required: a string", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(400, "`prompt` must be a string", "prompt", "invalid_value")
+    return tokenizer.encode_prompt(check_text(prompt, "prompt")), "prompt"
+
+
+def fit_context(prompt_ids: list, max_tokens: Optional[int], context: int, param: str) -> int:
+    """The request's `max_tokens` (by default, the rest of the context), refused when prompt + completion do not
+    fit the context."""
+    if not prompt_ids or len(prompt_ids) >= context:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server's context is {context} tokens "
+                       f"(prompt + completion): shorten `{param}`", param, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = context - len(prompt_ids)
+    if len(prompt_ids) + max_tokens > context:
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + `max_tokens` ({max_tokens}) exceeds this "
+                       f"server's context of {context} tokens: lower `max_tokens` to at most "
+                       f"{context - len(prompt_ids)}", "max_tokens", "context_length_exceeded")
+    return max_tokens
+
+
+def mailbox_of(scheduler: Scheduler) -> Mailbox:
+    """The mailbox of the running event loop, made on its first request (one loop serves the app; tests run
+    several)."""
+    loop = asyncio.get_running_loop()
+    mailbox = next((m for m in scheduler.mailboxes if m.loop is loop), None)
+    if mailbox is None:
+        mailbox = Mailbox(loop)
+        scheduler.mailboxes = [m for m in scheduler.mailboxes if not m.loop.is_closed()] + [mailbox]
+    return mailbox
+
+
+async def answer_whole(r: Request, events: asyncio.Queue, watcher, scheduler: Scheduler, meta: dict, chat: bool):
+    """The whole answer in one response once r is done (499 if the client went away first)."""
+    from starlette.responses import JSONResponse
+    try:
+        text, finish = "", None
+        while finish is None:
+            kind, value = await events.get()
+            if kind == "text":
+                text += value
+            elif kind == "done":
+                finish = value
+            elif kind == "error":
+                raise value
+            else:  # the client went away
+                return JSONResponse({}, status_code=499)
+    finally:
+        watcher.cancel()
+        scheduler.cancel(r)
+    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+    return JSONResponse(dict(meta, object="chat.completion" if chat else "text_completion", choices=[choice],
+                             usage=usage(r), fastgen=r.stats()))
 
 
 async def read_body(request) -> bytes:
