@@ -103,34 +103,38 @@ def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(stored
 
 
 @pytest.mark.slow
-def test_stored_graphs_hold_kernels_only_and_read_the_models_own_weights(stored):
-    """A stored graph holds no copy of the weights: graphs of two batch sizes and two cache lengths in one process
-    all read the model's own tensors (the same memory), no stored library and nothing the build left in inductor's
-    cache holds a weight's bytes, and each graph decodes what eager decoding does."""
+def test_stored_graphs_hold_kernels_only_serve_every_cache_length_and_read_the_models_own_weights(stored, capsys):
+    """A stored graph holds no copy of the weights and no cache length: one graph per batch size runs every cache
+    length (three here, none built again), the graphs of two batch sizes in one process all read the model's own
+    tensors (the same memory), no stored library and nothing the build left in inductor's cache holds a weight's
+    bytes, and each call decodes what eager decoding does."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     started = time.time()
     engine = stored_engine(stored)
     model = engine.model
-    model.round_cache_length = False  # the micro model's context is 64: two lengths below it
-    model.setup_caches(1, 32)
     x = torch.tensor([[4, 8, 15, 16, 23]])
     pos = torch.arange(5).view(1, 5)
     eager = generation.load_model(stored)
     with torch.no_grad():
         eager.setup_caches(2, 64)
         expected = eager(x.expand(2, 5), pos.expand(2, 5))
-        torch.testing.assert_close(engine.forward(x, pos), expected[:1], rtol=1e-4, atol=1e-4)  # batch 1, 32 slots
+        for length in (16, 40, 64):
+            model.setup_caches(1, length)
+            assert model.max_seq_length == length
+            torch.testing.assert_close(engine.forward(x, pos), expected[:1], rtol=1e-4, atol=1e-4)
+            if length > 16:
+                assert not built(capsys), f"a cache of {length} slots built another graph"
         model.setup_caches(2, 64)
         torch.testing.assert_close(engine.forward(x.expand(2, 5), pos.expand(2, 5)), expected, rtol=1e-4, atol=1e-4)
     graphs = engine.stored.graphs
-    assert {(1, 1, 32), (2, 2, 64)} <= set(graphs)
+    assert set(graphs) == {(1, 1), (2, 2)}  # (batch, cache batch): one graph each, whatever the cache length
     own = {name: t.data_ptr() for name, t in engine.stored.constants().items()}
-    weights = [name for name in own if "kv_cache" not in name]
-    for shape, (_, bind, _) in graphs.items():
+    for shape, (_, bind) in graphs.items():
         constants = bind.runner.extract_constants_map(False)
-        assert set(weights) <= set(constants), shape
-        assert all(constants[name].data_ptr() == own[name] for name in weights), shape  # caches: rebound per call
-    largest = max((t for name, t in engine.stored.constants().items() if name in weights), key=torch.Tensor.numel)
+        weights = [name for name in constants if "kv_cache" not in name]  # the cache is an input, not a constant
+        assert set(weights) == set(own), shape
+        assert all(constants[name].data_ptr() == own[name] for name in weights), shape
+    largest = max(engine.stored.constants().values(), key=torch.Tensor.numel)
     needle = largest.contiguous().view(-1)[largest.numel() // 2:][:32].numpy().tobytes()  # 128 random bytes
     libraries = list((stored.parent / "compiled").glob("*.so"))
     assert len(libraries) >= 2 and not any(needle in library.read_bytes() for library in libraries)
@@ -162,7 +166,7 @@ def key_for(path, **change):
     model = generation.load_model(path)
     model.setup_caches(1, 64)
     forward = compilation.StoredForward(model, "cpu", change.get("mode", "stored"))
-    return artifacts.key_of(forward.key_fields(1, 1, 64))
+    return artifacts.key_of(forward.key_fields(1, 1))
 
 
 def test_every_key_component_changes_the_key(checkpoint, tmp_path, monkeypatch):
@@ -199,7 +203,7 @@ def test_a_draft_heads_key_follows_its_weights_and_scheme(checkpoint, tmp_path):
     def key(directory, int8=True):
         head = load_head(directory, model, int8=int8)
         head.setup_caches(1, 64)
-        return artifacts.key_of(compilation.StoredHead(head, "cpu", "stored").key_fields(1, 1, 64))
+        return artifacts.key_of(compilation.StoredHead(head, "cpu", "stored").key_fields(1, 1))
     save_head(random_head(model, 256, seed=6), tmp_path / "head")
     base = key(tmp_path / "head")
     assert key(tmp_path / "head") == base
@@ -445,9 +449,9 @@ def test_a_built_graph_is_tried_in_a_child_process(stored):
     with its operator table loads and runs in a child process; a broken one is reported, not loaded here."""
     engine = stored_engine(stored)
     greedy(engine, n=2)  # built by an earlier test, or here
-    library = next((stored.parent / "compiled").glob("*.so"))
+    library = next((stored.parent / "compiled").glob("*-b1of1-*.so"))
     table = library.with_suffix(".json").read_text() if library.with_suffix(".json").exists() else None
-    examples = [compilation.example_inputs(1, 64, "cpu", tokens) for tokens in (1, 4)]
+    examples = [engine.stored.example(1, 1, tokens) for tokens in (1, 4)]
     constants = engine.stored.constants()
     compilation.loads_in_child(library, table, "cpu", examples, constants=constants)
     broken = library.parent / "broken.so"
