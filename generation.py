@@ -27,7 +27,7 @@ from compilation import COMPILE_MODES, compile_head, model_key_fields
 from decode import EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sample, \
     sdpa_context
 from draftmodel import ModelDrafter
-from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
+from errors import UserError, check_output_file, load_weights, quiet_stderr, read_checkpoint, write_output
 from model import ModelArgs, Transformer
 from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, Speculator, StoredCosts, auto_arms, \
     combine_stats, format_stats, non_finite_logits, same_vocabulary
@@ -667,6 +667,22 @@ def check_engine_settings(compile: str, precision: Optional[str], device: str):
         raise UserError("`device` cuda asked for, but torch sees no CUDA device; use `device` cpu")
 
 
+def export_trace(prof, path: Path):
+    """torch.profiler's chrome trace, written whole or not at all: kineto reports a failed write (a full disk) only
+    on stderr and leaves the file cut short, so a trace that does not parse is a failed write (write_output's one
+    line says why)."""
+    def write(tmp):
+        try:
+            with quiet_stderr():
+                prof.export_chrome_trace(str(tmp))  # kineto fills TMP.tmp, then renames it to TMP
+            json.loads(tmp.read_bytes())
+        except ValueError:
+            raise RuntimeError("the profiler wrote its trace only in part") from None
+        finally:
+            Path(f"{tmp}.tmp").unlink(missing_ok=True)
+    write_output(path, "profile", write)
+
+
 def setup_distributed(device: str, settings: Optional[Settings] = None):
     """Tensor parallelism when launched by torchrun with more than one process (see tp.py): every rank runs
     the same generation on the same tokens from the same seed; only rank 0 prints and writes files. `settings`
@@ -734,7 +750,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
                                              settings.batch_size, callback)
             sync()
         if profile:
-            write_output(Path(settings.profile), "profile", lambda tmp: prof.export_chrome_trace(str(tmp)))
+            export_trace(prof, Path(settings.profile))
         return rows, stats, time.perf_counter() - t
 
     generator.reserve(settings.batch_size, len(prompt_ids) + settings.max_new_tokens)

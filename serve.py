@@ -6,9 +6,10 @@ chat page. docs/serve.md explains the design.
 
 Where a token comes from: the HTTP handlers check a request and queue it; one scheduler thread owns the model. At
 each step boundary it gives waiting requests free rows of a fixed batch, then runs a step (Scheduler.step): the
-next prompt chunk of one prefilling request, alone on cache row 0 ([1, width]), then one [B, 1] forward in which
-every decoding row feeds its current token. Padding and idle rows write only a scratch cache slot past every real
-position, which no real query sees. Each row's token is drawn from its own logits with its own settings
+next prompt chunk of one prefilling request, alone on cache row 0 ([1, width]), then one [n, 1] forward over the
+first n cache rows, where the decoding rows lie (n: the smallest of DECODE_BATCHES holding them), each feeding its
+current token. Padding and idle rows write only a scratch cache slot past every real position, which no real query
+sees, and see only one slot themselves. Each row's token is drawn from its own logits with its own settings
 and torch.Generator. A request alone in the batch (with a drafter configured) decodes through the library's
 speculative loop instead (Scheduler.speculate).
 """
@@ -46,6 +47,9 @@ STATIC = Path(__file__).resolve().parent / "static"
 # prompt tokens of one prefill forward: a long prompt stalls the decoding rows for one such forward at a time; a
 # shorter piece is padded to the next of these widths only, each a graph compiled at warm-up (docs/serve.md)
 PREFILL_WIDTHS = (16, 32, 64, 128)
+# a decode step computes only the rows in use: n decoding rows, moved to the lowest cache rows, run as a forward of
+# the smallest of these batches (or of --max_batch_size) that holds them, each a graph built at warm-up
+DECODE_BATCHES = (1, 2, 4)
 MAX_STOP_STRINGS = 4
 # a request body larger than this (a context of 100k+ tokens is well under it) or slower to arrive is refused before
 # it is read whole: a huge or endless body never fills the memory or holds a connection
@@ -274,8 +278,8 @@ class Yield(Exception):
 
 class Scheduler:
     """A fixed batch of `max_batch_size` rows over one model; requests join at step boundaries and leave when done.
-    Shapes come from a fixed set ([B, 1] decode, [1, w] prefill for w in PREFILL_WIDTHS, the speculative loop's own),
-    so compiled graphs are built once, by warm_up()."""
+    Shapes come from a fixed set ([n, 1] decode for n in decode_batches, [1, w] prefill for w in PREFILL_WIDTHS, the
+    speculative loop's own), so compiled graphs are built once, by warm_up()."""
 
     def __init__(self, generator: Generator, max_batch_size: int, max_queue: int, max_seq_length: int):
         self.generator, self.engine, self.model = generator, generator.target, generator.model
@@ -288,6 +292,7 @@ class Scheduler:
         self.scratch = self.model.max_seq_length - 1
         self.widths = sorted({min(w, max_seq_length) for w in PREFILL_WIDTHS})
         self.chunk = self.widths[-1]
+        self.decode_batches = sorted({b for b in DECODE_BATCHES if b < max_batch_size} | {max_batch_size})
         self.device = generator.device
         self.rows = [None] * max_batch_size
         self.waiting = collections.deque()
@@ -414,23 +419,61 @@ class Scheduler:
         if any(r is not None and r.prefilled == len(r.prompt_ids) for r in self.rows):
             self.decode()
 
+    @staticmethod
+    def decoding(r: Optional[Request]) -> bool:
+        return r is not None and r.prefilled == len(r.prompt_ids)
+
+    def cached(self, r: Request) -> int:
+        """r's entries in the cache: its first cached(r) slots."""
+        return r.position if self.decoding(r) else r.prefilled
+
+    def move(self, r: Request, row: int):
+        """r to cache row `row` with its cache entries (a copy), and that row's request, which has none yet (idle,
+        or not prefilled), to r's row."""
+        other = self.rows[row]
+        assert other is None or self.cached(other) == 0, "a move would overwrite cache entries"
+        self.copy_cache(r.slot, row, self.cached(r))
+        with self.wake:
+            self.rows[row], self.rows[r.slot] = r, other
+            if other is not None:
+                other.slot = r.slot
+            r.slot = row
+
     def to_row_0(self, r: Request):
         """Move r to cache row 0, and row 0's request (if any) with its cache entries to r's row. A row-0 request
         in the middle of its prompt is never moved (prefill picks it first), so r's own row holds nothing yet."""
         if r.slot == 0:
             return
-        other = self.rows[0]
-        if other is not None:
-            n = other.position if other.prefilled == len(other.prompt_ids) else other.prefilled  # cached entries
-            self.copy_cache(0, r.slot, n)
-        with self.wake:
-            self.rows[0], self.rows[r.slot] = r, other
-            if other is not None:
-                other.slot = r.slot
-            r.slot = 0
+        if self.rows[0] is None:
+            self.move(r, 0)
+        else:
+            self.move(self.rows[0], r.slot)
+
+    def compact(self) -> tuple:
+        """(the decoding requests, the decode batch n): n is the smallest of decode_batches that holds them, beside
+        a request in the middle of its prompt in row 0 (the next chunk is prefilled there, so it stays); a decoding
+        request in row n or beyond moves into a lower row that holds no cache entries. Requests move only when the
+        count of rows falls below a smaller batch (a copy of their cached slots, once), never to fill a gap."""
+        live = [r for r in self.rows if self.decoding(r)]
+        pinned = int(self.rows[0] is not None and not self.decoding(self.rows[0]))
+        size = next(b for b in self.decode_batches if b >= len(live) + pinned)
+        free = [i for i in range(pinned, size) if not self.decoding(self.rows[i])]
+        for r in [r for r in live if r.slot >= size]:
+            self.move(r, free.pop(0))
+        return live, size
+
+    def mask(self, pos: torch.Tensor, padding_sees: int) -> torch.Tensor:
+        """[n, 1, T, S] bool for queries at pos [n, T]: a real query sees the slots up to its own; one at the scratch
+        slot (idle row, padding) sees only slot `padding_sees`, so the attention kernel reads one key for it
+        (kernels_a8.cpp reads a query's keys from the first its mask allows to the last), not the whole cache."""
+        slots = torch.arange(self.model.max_seq_length, device=pos.device)
+        query = pos.view(pos.shape[0], 1, pos.shape[1], 1)
+        return torch.where(query == self.scratch, slots == padding_sees, slots <= query)
 
     def copy_cache(self, source: int, target: int, n: int):
         """Cache row `source`'s first n slots (keys and values of every layer) into row `target`."""
+        if n == 0:
+            return
         for layer in self.model.layers:
             cache = layer.attention.kv_cache
             cache.k_cache[target, :, :n] = cache.k_cache[source, :, :n]
@@ -449,24 +492,27 @@ class Scheduler:
         x[0, :len(piece)] = torch.tensor(piece)
         pos[0, :len(piece)] = torch.arange(r.prefilled, r.prefilled + len(piece))
         pos = pos.to(self.device)
+        # padding sees the chunk's first slot only: the kernel's keys end at the chunk's last, not at the scratch slot
+        mask = self.mask(pos, r.prefilled)
         with sdpa_context():
-            logits = self.engine.forward(x.to(self.device), pos, pos)  # [1, chunk, V]; slots = positions
+            logits = self.engine.forward(x.to(self.device), pos, pos, mask)  # [1, chunk, V]; slots = positions
         self.metrics.prefill_steps += 1
         r.prefilled += len(piece)
         if r.prefilled == len(r.prompt_ids):
             self.pick([(r, logits[0, len(piece) - 1])])
 
     def decode(self):
-        """One [B, 1] forward: each decoding row reads its current token; prefilling and idle rows write only the
-        scratch slot. Then one token per decoding row, drawn with its own settings."""
-        x = torch.zeros(self.batch, 1, dtype=torch.long)
-        pos = torch.full((self.batch, 1), self.scratch, dtype=torch.long)
-        live = [r for r in self.rows if r is not None and r.prefilled == len(r.prompt_ids)]
+        """One [n, 1] forward over cache rows 0 .. n-1, where compact() put the decoding rows: each reads its current
+        token at its position; a prefilling or idle row among them writes only the scratch slot and sees only it.
+        Rows from n on are not computed at all. Then one token per decoding row, drawn with its own settings."""
+        live, size = self.compact()
+        x = torch.zeros(size, 1, dtype=torch.long)
+        pos = torch.full((size, 1), self.scratch, dtype=torch.long)
         for r in live:
             x[r.slot, 0], pos[r.slot, 0] = r.tokens[-1], r.position
         pos = pos.to(self.device)
         with sdpa_context():
-            logits = self.engine.forward(x.to(self.device), pos, pos)  # [B, 1, V]
+            logits = self.engine.forward(x.to(self.device), pos, pos, self.mask(pos, self.scratch))  # [n, 1, V]
         self.metrics.steps += 1
         self.metrics.rows_stepped += len(live)
         self.pick([(r, logits[r.slot, 0]) for r in live])
@@ -496,9 +542,7 @@ class Scheduler:
         """Decode the lone request r with the library's speculator, which runs on cache row 0 (r moves there
         first) until r finishes or someone else waits; then batched decoding takes over from the cache it left."""
         if r.slot != 0:
-            self.copy_cache(r.slot, 0, r.position)  # the context's keys/values, once; row r.slot is free afterwards
-            with self.wake:
-                self.rows[r.slot], self.rows[0], r.slot = None, r, 0
+            self.move(r, 0)  # the context's keys/values, once (row 0 is idle: r is alone)
         forwards = [0]
 
         def counted(fn):
@@ -545,16 +589,23 @@ class Scheduler:
         self.metrics.spec_forwards += forwards[0]
 
     def warm_up(self):
-        """Requests that run every shape the server uses (each prefill width, batched decode, a speculative run),
+        """Requests that run every shape the server uses (each prefill width, each decode batch, a speculative run),
         so that compilation happens before /health says ready."""
         prompt = self.tokenizer.encode_prompt("Hello, my name is")[: max(1, self.context // 4)]
         n = min(12, self.context - len(prompt))
-        # batched decode, then lone requests (speculative, if drafting) whose prompts fill each prefill width
-        runs = [[prompt] * min(2, self.batch)] + [[(prompt * w)[:min(w, self.context - n)]] for w in self.widths]
+        # B requests at once: one is prefilled per step, so the decoding rows grow 1, 2, ..., B (every decode batch)
+        # while the first is still decoding (B + 1 tokens); then lone requests (speculative, if drafting) whose
+        # prompts fill each prefill width
+        short = prompt[:max(1, min(len(prompt), self.context - self.batch - 1))]
+        together = [(short, min(max(n, self.batch + 1), self.context - len(short)))] * self.batch
+        runs = [together] + [[((prompt * w)[:min(w, self.context - n)], n)] for w in self.widths]
         for prompts in runs:
-            requests = [Request(list(p), n, Sampling(0.0)) for p in prompts]
-            for r in requests:
-                self.submit(r)
+            requests = [Request(list(p), tokens, Sampling(0.0)) for p, tokens in prompts]
+            with self.wake:  # all admitted at the same step boundary (the queue's limit is the clients')
+                if self.stopping:
+                    raise RuntimeError("the server is shutting down")
+                self.waiting.extend(requests)
+                self.wake.notify()
             while any(r.finish_reason is None and r.error is None for r in requests):
                 time.sleep(0.01)
             failed = next((r.error for r in requests if r.error is not None), None)

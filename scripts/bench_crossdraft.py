@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import interruptible_imports, run_cli  # noqa: E402
+from errors import interruptible_imports, run_cli, write_files_atomically  # noqa: E402
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 
@@ -54,15 +54,15 @@ def write_other_tokenizer_draft(pair: Path, seed: int = 0) -> Path:
     assert all(new_vocab[p] == vocab[p] for p in kept if vocab[p] in special)  # specials keep their ids
     spec["model"]["vocab"] = new_vocab
     spec["model"]["merges"] = [[a, b] for a, b in tokenizers_.bpe_merges({p: vocab[p] for p in kept})]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
     state = torch.load(pair / "draft/model.pth", weights_only=True)
     rows = torch.tensor([vocab[p] for p in sorted(new_vocab, key=new_vocab.get)])
     for name in ("tok_embeddings.weight", "output.weight"):
         state[name] = state[name][rows].clone()
     config = json.loads((pair / "draft/config.json").read_text())
-    (out / "config.json").write_text(json.dumps(dict(config, vocab_size=len(new_vocab))))
-    torch.save(state, out / "model.pth")
+    write_files_atomically(out, {  # model.pth last: the next run takes a directory with one as complete
+        "tokenizer.json": lambda tmp: tmp.write_text(json.dumps(spec, ensure_ascii=False)),
+        "config.json": lambda tmp: tmp.write_text(json.dumps(dict(config, vocab_size=len(new_vocab)))),
+        "model.pth": lambda tmp: torch.save(state, tmp)})
     return out / "model.pth"
 
 

@@ -8,6 +8,14 @@ Each B starts its own server (python serve.py, same flags), waits for GET /healt
 (default 2 B) for --seconds. Tokens/s counts the completion tokens of the requests that finished inside the window
 (their usage), over the window. Time to first token: request sent -> first text chunk; inter-token latency: the gaps
 between text chunks (a chunk carries one token's text, or several where held-back text is released at once).
+
+    python scripts/bench_serve.py --checkpoint_path M/model.pth --versus_generate --batch_sizes 8 -- --compile
+
+--versus_generate: a lone client against generate.py on the same checkpoint, prompt, max_tokens and --compile /
+--device / --precision (pass no drafter flags: plain decoding on both sides). generate.py's tokens/s (its
+--stats_json, the mean over its samples after the first) beside, per B, one client's answers one after another for --seconds: tokens per
+second of each answer from request sent to its last chunk (mean; the first answer left out as a warm-up), the
+server's own decode rate after the first token (its `fastgen.tokens_per_second`), and the ratios to generate.py's.
 """
 import argparse
 import http.client
@@ -67,22 +75,24 @@ def one_request(port: int, prompt: str, max_tokens: int) -> dict:
     sent = time.perf_counter()
     connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
-    arrivals, tokens = [], 0
+    arrivals, tokens, figures = [], 0, {}
     for line in response:
         line = line.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
         chunk = json.loads(line[6:])
+        figures = chunk.get("fastgen") or figures
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
         elif chunk.get("choices") and chunk["choices"][0]["text"]:
             arrivals.append(time.perf_counter())
     connection.close()
-    return {"sent": sent, "arrivals": arrivals, "tokens": tokens, "ended": time.perf_counter()}
+    return {"sent": sent, "arrivals": arrivals, "tokens": tokens, "ended": time.perf_counter(), "fastgen": figures}
 
 
-def load(port: int, clients: int, seconds: float, max_tokens: int) -> dict:
-    """Closed-loop clients for `seconds`: aggregate tokens/s and latency percentiles (seconds)."""
+def load(port: int, clients: int, seconds: float, max_tokens: int, prompts: list = PROMPTS) -> dict:
+    """Closed-loop clients for `seconds`: aggregate tokens/s and latency percentiles (seconds); `answers`, each
+    request's figures."""
     done, lock = [], threading.Lock()
     start = time.perf_counter()
     stop_at = start + seconds
@@ -90,7 +100,7 @@ def load(port: int, clients: int, seconds: float, max_tokens: int) -> dict:
     def client(i: int):
         n = 0
         while time.perf_counter() < stop_at:
-            result = one_request(port, PROMPTS[(i + n) % len(PROMPTS)], max_tokens)
+            result = one_request(port, prompts[(i + n) % len(prompts)], max_tokens)
             n += 1
             with lock:
                 done.append(result)
@@ -108,7 +118,48 @@ def load(port: int, clients: int, seconds: float, max_tokens: int) -> dict:
         return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else None)
 
     return {"clients": clients, "requests": len(done), "tokens_per_sec": sum(r["tokens"] for r in inside) / seconds,
-            "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95), "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95)}
+            "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95), "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95),
+            "answers": inside}
+
+
+def generate_flags(server_flags: list) -> list:
+    """The serve.py flags generate.py shares (--compile [MODE], --device, --precision), as generate.py takes them."""
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--compile", nargs="?", const="auto", default=None)
+    shared.add_argument("--device", default=None)
+    shared.add_argument("--precision", default=None)
+    known, _ = shared.parse_known_args(server_flags)
+    return [f for name in ("compile", "device", "precision") if getattr(known, name) is not None
+            for f in (f"--{name}", getattr(known, name))]
+
+
+def generate_tokens_per_sec(checkpoint: Path, prompt: str, max_tokens: int, flags: list, samples: int = 6) -> float:
+    """generate.py's plain greedy tokens/s for `prompt`: the mean over the samples of its --stats_json after the
+    first (an eager run's first pays one-time costs; a compiling run's warm-up sample is not among them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = Path(tmp) / "stats.json"
+        done = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(checkpoint),
+                               "--prompt", prompt, "--max_new_tokens", str(max_tokens), "--num_samples", str(samples),
+                               "--temperature", "0", "--stats_json", str(stats), *flags],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0 or not stats.is_file():
+            said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+            raise SystemExit(f"error: generate.py exited with status {done.returncode}"
+                             + (f" ({said[-1][len('error: '):]})" if said else ""))
+        return statistics.mean(sample["tokens_per_sec"] for sample in json.loads(stats.read_text())["samples"][1:])
+
+
+def lone_client(answers: list, plain: float) -> dict:
+    """One client's answers (the first left out as a warm-up where there are more) against generate.py's tokens/s."""
+    counted = [a for a in (answers[1:] if len(answers) > 1 else answers) if a["tokens"] and a["arrivals"]]
+    if not counted:
+        raise SystemExit("error: no answer finished inside --seconds: raise it")
+    answer = statistics.mean(a["tokens"] / (a["ended"] - a["sent"]) for a in counted)
+    rates = [a["fastgen"]["tokens_per_second"] for a in counted if a["fastgen"].get("tokens_per_second")]
+    decode = statistics.mean(rates) if rates else None
+    return {"answers": len(counted), "answer_tokens_per_sec": answer, "decode_tokens_per_sec": decode,
+            "generate_tokens_per_sec": plain, "ratio": answer / plain,
+            "decode_ratio": decode / plain if decode is not None else None}
 
 
 def main(argv=None):
@@ -119,11 +170,18 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=30.0, help="load time per batch size")
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--versus_generate", action="store_true",
+                   help="one client at each B against generate.py's plain tokens/s on the same checkpoint and prompt")
     p.add_argument("server_flags", nargs=argparse.REMAINDER, help="after --: more serve.py flags (--compile ...)")
     args = p.parse_args(argv)
     if not 0 < args.seconds <= MAX_SECONDS or (args.clients is not None and not 0 < args.clients <= MAX_CLIENTS):
         raise SystemExit(f"error: --seconds must be in (0, {MAX_SECONDS}] and --clients in [1, {MAX_CLIENTS}]")
     extra = [f for f in args.server_flags if f != "--"]
+    plain = None
+    if args.versus_generate:
+        if args.clients not in (None, 1):
+            raise SystemExit("error: --versus_generate runs one client: leave out --clients")
+        plain = generate_tokens_per_sec(args.checkpoint_path, PROMPTS[0], args.max_tokens, generate_flags(extra))
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         port = free_port()
@@ -134,12 +192,21 @@ def main(argv=None):
                                    stdout=subprocess.DEVNULL, stderr=log)
         try:
             wait_ready(port, process, timeout=600, log=log)
+            if plain is not None:
+                answers = load(port, 1, args.seconds, args.max_tokens, PROMPTS[:1])["answers"]
+                rows.append(dict(lone_client(answers, plain), batch_size=batch))
+                continue
             clients = min(args.clients or 2 * batch, MAX_CLIENTS)
-            rows.append(dict(load(port, clients, args.seconds, args.max_tokens), batch_size=batch))
+            row = load(port, clients, args.seconds, args.max_tokens)
+            del row["answers"]
+            rows.append(dict(row, batch_size=batch))
         finally:
             process.terminate()
             process.wait(timeout=30)
             log.close()
+    if plain is not None:
+        report_versus_generate(args, extra, plain, rows)
+        return
     ms = lambda v: f"{v * 1000:.1f}" if v is not None else "-"  # noqa: E731
     print(f"{'B':>3} {'clients':>7} {'requests':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} "
           f"{'ITL p50':>8} {'ITL p95':>8}   (latencies in ms)")
@@ -149,6 +216,23 @@ def main(argv=None):
     if args.json:
         result = {"checkpoint": str(args.checkpoint_path), "seconds": args.seconds, "max_tokens": args.max_tokens,
                   "server_flags": extra, "rows": rows}
+        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
+
+
+def report_versus_generate(args, extra: list, plain: float, rows: list):
+    rate = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+    ratio = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
+    print(f"generate.py plain: {plain:.1f} tokens/s ({PROMPTS[0]!r}, {args.max_tokens} new tokens, flags "
+          f"{' '.join(generate_flags(extra)) or 'none'})")
+    print(f"{'B':>3} {'answers':>7} {'answer tok/s':>12} {'ratio':>6} {'decode tok/s':>12} {'ratio':>6}   "
+          f"(one client; ratio: to generate.py's)")
+    for r in rows:
+        print(f"{r['batch_size']:>3} {r['answers']:>7} {rate(r['answer_tokens_per_sec']):>12} {ratio(r['ratio']):>6} "
+              f"{rate(r['decode_tokens_per_sec']):>12} {ratio(r['decode_ratio']):>6}")
+    if args.json:
+        result = {"checkpoint": str(args.checkpoint_path), "seconds": args.seconds, "max_tokens": args.max_tokens,
+                  "prompt": PROMPTS[0], "server_flags": extra, "generate_flags": generate_flags(extra),
+                  "generate_tokens_per_sec": plain, "rows": rows}
         write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
 
 

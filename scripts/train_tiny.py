@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, interruptible_imports, run_cli, write_atomically  # noqa: E402
+from errors import UserError, interruptible_imports, run_cli, write_atomically, write_files_atomically  # noqa: E402
 
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import sentencepiece  # noqa: E402
@@ -382,12 +382,12 @@ def greedy_agreement(target, draft, stream, newline_id: int, preset: Preset, dev
 # ---------------------------------------------------------------------------------------------- main
 
 def save_checkpoint(directory: Path, args: ModelArgs, model: Transformer, tokenizer_bytes: bytes):
-    directory.mkdir(parents=True, exist_ok=True)
     config = json.dumps(args.to_hf_config(), indent=2) + "\n"
-    write_atomically(directory / "config.json", lambda tmp: tmp.write_text(config))
-    write_atomically(directory / "tokenizer.model", lambda tmp: tmp.write_bytes(tokenizer_bytes))
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    write_atomically(directory / "model.pth", lambda tmp: torch.save(state, tmp))
+    write_files_atomically(directory, {  # one set: a new tokenizer beside old weights would be garbage
+        "config.json": lambda tmp: tmp.write_text(config),
+        "tokenizer.model": lambda tmp: tmp.write_bytes(tokenizer_bytes),
+        "model.pth": lambda tmp: torch.save(state, tmp)})
 
 
 def parse_args(argv=None):

@@ -1,6 +1,8 @@
 """kernels.py: the CPU kernel choice changes how a product is computed, never what it computes: column-major
 weights, oneDNN-packed copies where they measure faster (and never inside frozen whole graphs), state dicts and tied
 weights unchanged."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -394,6 +396,77 @@ def test_attention_reads_no_key_past_the_last_allowed(isa, T):
     got = kernels.attention(q, k, v, mask)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def decode_step_mask(B, T, S, idle):
+    """A server's decode step: idle rows see only the scratch slot (the cache's last), the others every slot up to
+    their position (rows b at 40 + 100 b, T tokens each)."""
+    slots = torch.arange(S).view(1, 1, 1, -1)
+    mask = slots <= (torch.arange(B) * 100 + 40).view(B, 1, 1, 1) + torch.arange(T).view(1, 1, T, 1)
+    mask[idle] = (slots == S - 1).expand(1, 1, T, S)
+    return mask
+
+
+@pytest.mark.parametrize("T", [1, 3, 24])
+def test_attention_of_rows_that_see_only_the_last_slot(isa, T):
+    """Idle rows of a decode step beside decoding ones: the float64 reference on every path, each idle row's output
+    the last slot's value (the softmax of one key)."""
+    g = torch.Generator().manual_seed(T)
+    B, H, G, S, D = 4, 2, 3, 300, 32
+    q = torch.randn(B, H, G * T, D, generator=g)
+    k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
+    idle = torch.tensor([False, True, False, True])
+    mask = decode_step_mask(B, T, S, idle)
+    out = kernels.attention(q, k, v, mask)
+    torch.testing.assert_close(out, attention_reference(q, k, v, mask), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(out[idle], v[idle][:, :, -1:].expand(-1, -1, G * T, -1))
+
+
+# a child process: the keys and values in a page-aligned buffer, the pages an idle row's mask hides made unreadable
+# (mprotect): a read of any of them is a segmentation fault, so a clean exit means the kernel never touched them
+NO_READ_BEFORE_FIRST = """
+import ctypes, mmap, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import kernels, test_kernels
+assert kernels.a8_kernels()
+B, H, G, S, D = 4, 2, 3, 256, 32  # a (row, head) of the cache: 32 KiB, whole pages
+idle = torch.tensor([False, True, False, True])
+buffer = mmap.mmap(-1, 2 * B * H * S * D * 4)
+cache = torch.frombuffer(buffer, dtype=torch.float32).view(2, B, H, S, D)
+cache.copy_(torch.randn(2, B, H, S, D))
+k, v = cache
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+for T in (1, 3, 16):
+    q = torch.randn(B, H, G * T, D)
+    mask = test_kernels.decode_step_mask(B, T, S, idle)
+    want = kernels.attention(q, k.clone(), v.clone(), mask)
+    hidden = (S - 1) * D * 4 // mmap.PAGESIZE * mmap.PAGESIZE  # the slots before the last, whole pages
+    for t in (k, v):
+        for b in idle.nonzero().view(-1).tolist():
+            for h in range(H):
+                assert libc.mprotect(t[b, h].data_ptr(), hidden, 0) == 0  # PROT_NONE
+    assert torch.equal(kernels.attention(q, k, v, mask), want)
+    for t in (k, v):
+        for b in idle.nonzero().view(-1).tolist():
+            for h in range(H):
+                assert libc.mprotect(t[b, h].data_ptr(), hidden, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+print("ok")
+"""
+
+
+def test_attention_reads_no_key_before_the_first_allowed(isa):
+    """The own kernel (a few tokens, AVX2 / AVX-512) reads a row's keys and values from the first its mask allows:
+    an idle row of a decode step, which sees only the last slot, costs one key, not the whole cache (ATen's kernel,
+    the portable path, reads from the first slot)."""
+    import subprocess
+    import sys
+    if isa == "portable" or not sys.platform.startswith("linux"):
+        pytest.skip("ATen's kernel reads every slot up to the last allowed; mprotect: Linux")
+    done = subprocess.run([sys.executable, "-c", NO_READ_BEFORE_FIRST, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
 def test_attention_compiled_equals_eager():

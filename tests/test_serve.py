@@ -280,8 +280,9 @@ def test_sixteen_concurrent_clients_each_equal_the_library_alone(server, library
         tokens, want = alone(library, library.tokenizer.encode_prompt(prompt), n)
         assert (text, count) == (want, len(tokens)), prompt
     assert server.metric("fastgen_batch_occupancy") > 0.25  # rows were shared
-    # a prompt chunk is computed for its own row only ([1, C]); decoding runs the batch ([B, 1])
-    assert set(server.shapes) == {(1, 16), (4, 1)} and server.metric("fastgen_prefill_steps_total") >= 16
+    # a prompt chunk is computed for its own row only ([1, C]); decoding runs the rows in use ([n, 1], n in 1, 2, 4)
+    assert set(server.shapes) == {(1, 16), (1, 1), (2, 1), (4, 1)}
+    assert server.metric("fastgen_prefill_steps_total") >= 16
 
 
 def test_stored_graphs_prefill_the_exact_chunk_and_stay_exact(random_target, library):
@@ -302,6 +303,126 @@ def test_stored_graphs_prefill_the_exact_chunk_and_stay_exact(random_target, lib
         assert {n % 16 for n in lengths if n % 16} <= widths and max(widths) == 16  # each chunk's rest, unpadded
     finally:
         running.stop()
+
+
+# ----------------------------------------------------------------------------- decode steps over the rows in use
+
+@pytest.fixture(scope="module")
+def wide_server(random_target):
+    running = Running(random_target, "--max_batch_size", 8, chunk=16)
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize("clients", [1, 2, 3, 5])
+def test_concurrent_clients_on_a_wide_batch_equal_the_library_token_for_token(wide_server, library, clients):
+    """1, 2, 3 or 5 greedy clients on a server of 8 rows, joining at different times and leaving after different
+    lengths (decoding rows move down as others leave): every answer's ids are the library's for its prompt alone,
+    and a decode step computes only a batch of 1, 2, 4 or 8 rows (a lone client: 1)."""
+    scheduler = wide_server.scheduler
+    submitted, submit = [], scheduler.submit
+    scheduler.submit = lambda r: (submitted.append(r), submit(r))[1]
+    before = collections.Counter(wide_server.shapes)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(clients)]
+    lengths = [40 - 7 * i for i in range(clients)]
+
+    def ask(i):
+        time.sleep(0.03 * i)
+        return wide_server.client.completions.create(model=wide_server.name, prompt=prompts[i],
+                                                     max_tokens=lengths[i], temperature=0).choices[0].text
+    try:
+        with ThreadPoolExecutor(clients) as pool:
+            texts = list(pool.map(ask, range(clients)))
+    finally:
+        del scheduler.submit
+    ids = [library.tokenizer.encode_prompt(p) for p in prompts]
+    assert sorted(ids.index(r.prompt_ids) for r in submitted) == list(range(clients))
+    for r in submitted:
+        i = ids.index(r.prompt_ids)
+        tokens, text = alone(library, ids[i], lengths[i])
+        assert r.tokens == tokens and texts[i] == text, prompts[i]
+    decodes = {shape[0] for shape in wide_server.shapes - before if shape[1] == 1}
+    assert decodes <= {1, 2, 4, 8} and (clients > 1 or decodes == {1})
+
+
+def drive(scheduler, arrivals: dict):
+    """The scheduler's loop by hand, without its thread: the requests of arrivals[k] are submitted before step k;
+    steps until all have finished (no drafter: every step is a batched one)."""
+    everyone = [r for rs in arrivals.values() for r in rs]
+    k = 0
+    while any(r.finish_reason is None and r.error is None for r in everyone):
+        for r in arrivals.get(k, []):
+            scheduler.submit(r)
+        with scheduler.wake:
+            scheduler.admit()
+        scheduler.step()
+        k += 1
+        assert k < 2000
+    assert all(r.error is None for r in everyone)
+
+
+def test_decode_steps_compute_the_rows_in_use_and_idle_rows_see_one_slot(random_target, library):
+    """Requests join (one with a prompt of several chunks) and leave mid-way on 8 rows: each decode forward is a
+    batch of the smallest of 1, 2, 4, 8 holding the decoding rows (and a request in the middle of its prompt, which
+    stays in row 0); a row without a token to decode reads the scratch slot and its mask allows only that slot, a
+    decoding row's every slot up to its position; prefill padding sees one slot of its chunk. Requests moved down
+    to rows below the batch, and every greedy answer is the library's alone, token for token; a seeded sampled one
+    is the same as alone."""
+    scheduler = serve.Scheduler(generation.Generator.build(random_target), 8, 64, 200)
+    scheduler.chunk, scheduler.widths = 16, [16]
+    S, scratch = scheduler.model.max_seq_length, scheduler.scratch
+    slots = torch.arange(S)
+    calls, forward = [], scheduler.engine.forward
+
+    def spy(x, pos, cache_slots, mask):
+        rows = [(r, r.prefilled == len(r.prompt_ids), r.position) if r is not None else None
+                for r in scheduler.rows]
+        calls.append((x.shape, pos.clone(), mask.clone(), rows))
+        return forward(x, pos, cache_slots, mask)
+    scheduler.engine = dataclasses.replace(scheduler.engine, forward=spy)
+    moves, compact = [], scheduler.compact
+
+    def compacted():
+        where = {id(r): r.slot for r in scheduler.rows if scheduler.decoding(r)}
+        out = compact()
+        moves.extend(r for r in out[0] if where[id(r)] != r.slot)
+        return out
+    scheduler.compact = compacted
+
+    def greedy(prompt, n):
+        return serve.Request(library.tokenizer.encode_prompt(prompt), n, Sampling())
+
+    def seeded():
+        return serve.Request(library.tokenizer.encode_prompt(PROMPTS[3]), 25, Sampling(0.9, top_k=50), seed=5)
+    drive(scheduler, {0: [seeded_alone := seeded()]})
+    long = greedy(PROMPTS[4], 20)  # several chunks of 16
+    arrivals = {0: [greedy(PROMPTS[0], 40)], 2: [long],
+                4: [greedy(PROMPTS[1], 6), greedy(PROMPTS[2], 30), greedy("a", 10)],
+                6: [seeded(), greedy(PROMPTS[3] + " 7", 8)]}
+    calls.clear()
+    drive(scheduler, arrivals)
+    for r in [r for rs in arrivals.values() for r in rs if r.sampling.temperature == 0]:
+        assert r.tokens == alone(library, r.prompt_ids, r.max_tokens)[0]
+    assert arrivals[6][0].tokens == seeded_alone.tokens
+    assert moves, "no decoding request moved to a lower row"
+    batches = []
+    for shape, pos, mask, rows in calls:
+        if shape[1] > 1:  # a prefill chunk: padding sees only the chunk's first slot
+            for t in range(shape[1]):
+                want = slots <= pos[0, t] if pos[0, t] != scratch else slots == pos[0, 0]
+                assert torch.equal(mask[0, 0, t], want)
+            continue
+        decoding = [i for i, row in enumerate(rows) if row is not None and row[1]]
+        pinned = rows[0] is not None and not rows[0][1]
+        batch = shape[0]
+        batches.append(batch)
+        assert batch == min(b for b in (1, 2, 4, 8) if b >= len(decoding) + pinned)
+        assert max(decoding) < batch
+        for i in range(batch):
+            position = rows[i][2] if i in decoding else scratch
+            assert pos[i, 0] == position
+            assert torch.equal(mask[i, 0, 0], slots <= position if i in decoding else slots == scratch)
+    assert set(batches) == {1, 2, 4, 8} and batches[0] == 1 and batches[-1] == 1
 
 
 def test_models_health_and_metrics(server):
@@ -679,7 +800,7 @@ def launch(checkpoint, *flags):
 def test_compiled_graphs_are_never_rebuilt_after_warm_up(random_target, library):
     """After the warm-up, requests of any length, batched or alone, greedy or sampled, compile nothing new. Regional
     graphs: the same static-shape property as whole graphs (one per batch and width), built far sooner."""
-    process, running = launch(random_target, "--max_batch_size", 2, "--compile", "regional", "--draft_ngram", 3,
+    process, running = launch(random_target, "--max_batch_size", 4, "--compile", "regional", "--draft_ngram", 3,
                               "--speculate_k", 4)
     try:
         graphs = running.metric("fastgen_compiled_graphs")
@@ -762,3 +883,20 @@ def test_chat_page_streams_answers_and_stops(slow_server, tmp_path):
         print(f"screenshot: {shot}")
         assert page.locator(".user").count() == 2 and shot.stat().st_size > 0
         browser.close()
+
+
+@pytest.mark.slow
+def test_bench_serve_compares_a_lone_client_with_generate(random_target, tmp_path):
+    """scripts/bench_serve.py --versus_generate: generate.py's plain tokens/s on the same checkpoint and prompt, and
+    one client's on a server of each B, with their ratio, printed and in the JSON."""
+    out = tmp_path / "versus.json"
+    done = subprocess.run([sys.executable, "scripts/bench_serve.py", "--checkpoint_path", str(random_target),
+                           "--versus_generate", "--batch_sizes", "4", "--seconds", "2", "--max_tokens", "8",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "generate.py plain:" in done.stdout and "answer tok/s" in done.stdout
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert row["batch_size"] == 4 and row["answers"] >= 1 and result["generate_tokens_per_sec"] > 0
+    assert row["ratio"] == pytest.approx(row["answer_tokens_per_sec"] / result["generate_tokens_per_sec"])
+    assert row["decode_ratio"] == pytest.approx(row["decode_tokens_per_sec"] / result["generate_tokens_per_sec"])

@@ -622,3 +622,64 @@ def test_stored_cuda_graphs_replay_few_token_calls_only_where_the_replay_equals_
     results = [replayed(torch.full((1, 1), i), torch.zeros(1, 1))[0].item() for i in range(4)]
     assert results == [0, 2, 4, 6]
     assert "not replayed from a CUDA graph (its replay differs" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a full disk (conftest.small_disk)
+
+def full_disk_run(disk, room: int, call, capsys) -> list:
+    """call() run as a command runs it (errors.run_cli) with `room` bytes left on the disk: exit status 1, no
+    traceback, every file under the disk as it was (no temp file left); returns its stderr's lines."""
+    import errors
+    from helpers import files_of
+    before = files_of(disk.directory)
+    with disk.full(room):
+        status = errors.run_cli(call)
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err, err
+    assert files_of(disk.directory) == before
+    return err.strip().splitlines()
+
+
+def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(small_disk, tokenizer_model, monkeypatch,
+                                                                           capsys):
+    """The build's library written on a full disk: the export patched to write it with torch's zip writer (as
+    AOTInductor's packager writes its .pt2), so the failure is torch's own RuntimeError of a real full disk. One
+    line naming the library, and no `.failed` marker: a full disk says nothing about the graph, and the next run
+    with room builds it."""
+    def export(self, example, length, tmp):
+        torch.save({"library": torch.zeros(1 << 18)}, tmp)
+    monkeypatch.setattr(compilation.StoredForward, "export", export)
+    checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
+                                  n_head=2, vocab_size=512, block_size=64)
+    model = generation.load_model(checkpoint)
+    model.setup_caches(1, 64)
+    forward = compilation.StoredForward(model, "cpu", "stored")
+    lines = full_disk_run(small_disk, 64 << 10, lambda: forward.load(1, 1, 64), capsys)
+    compiled = checkpoint.parent / "compiled"
+    assert lines[-1].startswith(f"error: {small_disk.cause}: {compiled}/model-") and ".so: " in lines[-1], lines
+    assert not any("cannot store" in line for line in lines), lines
+    assert not list(compiled.glob("*.failed"))
+
+
+def test_a_full_disk_while_keeping_compiled_kernels_is_one_line(small_disk, tokenizer_model, monkeypatch, capsys):
+    """An in-process compile's kernels (compilation.CompileCache, NAME.bin) stored on a full disk: torch's cache artifacts
+    patched to a blob of 1 MiB, written by the real writer."""
+    checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
+                                  n_head=2, vocab_size=512, block_size=64)
+    cache = compilation.CompileCache(generation.load_model(checkpoint), "cpu", "whole")
+    monkeypatch.setattr(compilation, "compiled_count", lambda: cache.compiled + 1)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (bytes(1 << 20), None))
+    lines = full_disk_run(small_disk, 64 << 10, cache.save_if_new, capsys)
+    assert lines == [f"error: {small_disk.cause}: {cache.directory / cache.name}.bin: "
+                     f"{lines[0].rsplit(': ', 1)[-1]}"], lines
+
+
+def test_a_full_disk_while_making_the_signing_key_leaves_no_short_key(small_disk, monkeypatch, capsys):
+    """The key that signs stored graphs is written whole or not at all: a key cut short would sign with fewer secret
+    bytes (an empty one with none)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(small_disk.directory))
+    lines = full_disk_run(small_disk, 16, artifacts.signing_key, capsys)
+    assert lines == [f"error: {small_disk.cause}: {small_disk.directory / 'fastgen' / 'artifact.key'}: "
+                     f"{lines[0].rsplit(': ', 1)[-1]}"], lines
+    assert not (small_disk.directory / "fastgen" / "artifact.key").exists()
+    assert len(artifacts.signing_key()) == artifacts.KEY_BYTES  # with room: made whole
