@@ -407,8 +407,8 @@ class StoredGraph:
         tokens = torch.export.Dim("tokens", min=1, max=self.MAX_LENGTH)
         length = torch.export.Dim("cache", min=2, max=self.MAX_LENGTH)
         n = len(example) - len(self.caches())
-        dynamic = tuple({2: tokens, 3: length} if a.dtype == torch.bool else {1: tokens}  # the mask: [B, 1, T, S]
-                        for a in example[:n]) + tuple({2: length} for _ in example[n:])  # caches: [B, H, S, D]
+        dynamic = (*({2: tokens, 3: length} if a.dtype == torch.bool else {1: tokens}  # the mask: [B, 1, T, S]
+                     for a in example[:n]), tuple({2: length} for _ in example[n:]))  # *caches: [B, H, S, D] each
         with torch.no_grad():
             program = torch.export.export(self.exported(), example, strict=False, dynamic_shapes=dynamic)
             package = Path(f"{tmp}.pt2")  # the packager wants its suffix
@@ -485,8 +485,8 @@ class ExportedHead(torch.nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, embedded, hidden, input_pos, slots, mask, keys, values):
-        return self.head.body(embedded, hidden, input_pos, slots, mask, (keys, values))
+    def forward(self, embedded, hidden, input_pos, slots, mask, *cache):
+        return self.head.body(embedded, hidden, input_pos, slots, mask, cache)
 
 
 class StoredHead(StoredGraph):
