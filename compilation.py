@@ -533,6 +533,55 @@ class StoredHead(StoredGraph):
                              **graph_options(self.head, self.device, "whole"))
 
 
+def inventory(directory: Path, weights_directory: Optional[Path] = None) -> list:
+    """What a compiled/ directory holds: one row per artifact (its files together: library, operator table,
+    metadata, failure marker) with its bytes, kind, and why it is stale (None if this machine, software and code
+    would still load it): built for a weights file that changed or is gone, other software or another machine, older
+    source code, or something unreadable. Graphs of other batch sizes or modes are not stale: another run may use
+    them; a failed build's marker is (pruning it retries the build). weights_directory: where the weights files
+    are (default: the directory above compiled/)."""
+    import artifacts
+    here = {k: v for k, v in artifacts.machine().items() if k != "threads"}
+    sources = {artifacts.sources_digest(TRACED_MODULES), artifacts.sources_digest(TRACED_MODULES + ("drafthead",))}
+    native = artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp"))
+    identities = {}
+    groups = {}
+    for path in sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []:
+        name = path.name
+        for suffix in (".meta.json", ".failed", ".so", ".bin", ".json"):
+            if name.endswith(suffix) and not name.startswith("."):
+                name = name[:-len(suffix)]
+                break
+        groups.setdefault(name, []).append(path)
+    rows = []
+    for name, paths in groups.items():
+        meta = Path(directory) / f"{name}.meta.json"
+        kind = ("timings" if name.startswith("auto-timings-") else "failed build" if paths[0].suffix == ".failed"
+                and len(paths) == 1 else "kernels" if "-kernels-" in name else "graph")
+        stale = None
+        if kind == "graph" or kind == "kernels":
+            try:
+                fields = json.loads(meta.read_text())["fields"]
+                weights = Path(weights_directory or Path(directory).parent) / fields["weights"]["file"]
+                if weights not in identities:
+                    identities[weights] = artifacts.file_identity(weights) if weights.exists() else None
+                if identities[weights] != fields["weights"]:
+                    stale = "its weights file changed or is gone"
+                elif {k: v for k, v in fields["machine"].items() if k != "threads"} != here:
+                    stale = "built with other software or on another machine"
+                elif fields["sources"] not in sources or fields["native"] != native:
+                    stale = "built from older code"
+            except (OSError, ValueError, KeyError, TypeError):
+                stale = "no readable metadata"
+        elif kind == "failed build":
+            stale = "a failed build's marker"
+        elif name.startswith("."):  # a write in progress, or a killed one's: the next write removes the latter
+            kind = "partial write"
+        rows.append({"name": name, "kind": kind, "bytes": sum(p.stat().st_size for p in paths), "stale": stale,
+                     "paths": [str(p) for p in paths]})
+    return rows
+
+
 def compile_head(head: torch.nn.Module, device: str, mode: str = "auto"):
     """A draft head (drafthead.DraftHead) compiled as its target's engine is (compile_engine's modes): its body one
     stored graph per batch and cache size for "auto" / "autotune" (beside the head's weights, keyed by them), compiled
