@@ -529,12 +529,12 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
         model.setup_caches(1, 64)
         return compilation.StoredForward(model, "cpu", "stored")
     monkeypatch.setattr(compilation.StoredForward, "export", fails)
-    run, bind = forward().load(1, 1, 64)
+    run, bind = forward().load(1, 1)
     assert bind is None and callable(run)
     assert "cannot store" in capsys.readouterr().err
     assert len(list((checkpoint.parent / "compiled").glob("*.failed"))) == 1
     monkeypatch.setattr(compilation.StoredForward, "export", lambda *args: pytest.fail("built again"))
-    run, bind = forward().load(1, 1, 64)
+    run, bind = forward().load(1, 1)
     assert bind is None and callable(run)
     err = capsys.readouterr().err
     assert "could not be stored here (RuntimeError: cannot export this model)" in err and len(err.splitlines()) == 1
@@ -542,7 +542,7 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another key
     try:
-        forward().load(1, 1, 64)
+        forward().load(1, 1)
     finally:
         torch.set_num_threads(threads)
     assert "cannot store" in capsys.readouterr().err
@@ -584,13 +584,13 @@ def test_a_loader_that_crashed_is_given_no_other_graph_to_build(checkpoint, tmp_
     threads = torch.get_num_threads()
     try:
         monkeypatch.setattr(compilation.StoredForward, "export", fails)
-        forward(threads + 1).load(1, 1, 64)
+        forward(threads + 1).load(1, 1)
         assert "cannot store" in capsys.readouterr().err and not artifacts.loader_crashed("cpu")
         monkeypatch.setattr(compilation.StoredForward, "export", crashes)
-        forward(threads + 2).load(1, 1, 64)
+        forward(threads + 2).load(1, 1)
         assert "signal 11" in capsys.readouterr().err and artifacts.loader_crashed("cpu")
         monkeypatch.setattr(compilation.StoredForward, "export", lambda *args: pytest.fail("built again"))
-        run, bind = forward(threads + 3).load(1, 1, 64)
+        run, bind = forward(threads + 3).load(1, 1)
         assert bind is None and callable(run)
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and "not storing" in err[0] and "loader-crashed to try again" in err[0]
@@ -679,7 +679,7 @@ def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(smal
     AOTInductor's packager writes its .pt2), so the failure is torch's own RuntimeError of a real full disk. One
     line naming the library, and no `.failed` marker: a full disk says nothing about the graph, and the next run
     with room builds it."""
-    def export(self, example, length, tmp):
+    def export(self, example, tmp):
         torch.save({"library": torch.zeros(1 << 18)}, tmp)
     monkeypatch.setattr(compilation.StoredForward, "export", export)
     checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
@@ -687,7 +687,7 @@ def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(smal
     model = generation.load_model(checkpoint)
     model.setup_caches(1, 64)
     forward = compilation.StoredForward(model, "cpu", "stored")
-    lines = full_disk_run(small_disk, 64 << 10, lambda: forward.load(1, 1, 64), capsys)
+    lines = full_disk_run(small_disk, 64 << 10, lambda: forward.load(1, 1), capsys)
     compiled = checkpoint.parent / "compiled"
     assert lines[-1].startswith(f"error: {small_disk.cause}: {compiled}/model-") and ".so: " in lines[-1], lines
     assert not any("cannot store" in line for line in lines), lines
