@@ -236,74 +236,88 @@ class ExportedForward(torch.nn.Module):
         super().__init__()
         self.model, self.features = model, features
 
-    def forward(self, idx, input_pos, slots, mask):
+    def forward(self, idx, input_pos, slots, mask, *caches):
+        caches = list(zip(caches[0::2], caches[1::2]))  # (keys, values) of each layer
         if self.features:
-            return self.model.forward_features(idx, input_pos, slots, mask, self.features)
-        return self.model(idx, input_pos, slots, mask)
+            return self.model.forward_features(idx, input_pos, slots, mask, self.features, caches=caches)
+        return self.model(idx, input_pos, slots, mask, caches=caches)
 
 
 class StoredGraph:
-    """A module's forward through stored AOTInductor graphs: one per shape (batch, cache batch, cache length), dynamic
-    in the number of tokens T (dim 1 of every input; dim 2 of the mask), built once and kept beside the checkpoint.
-    A graph holds kernels only: its weights and KV cache are the module's own tensors (handed to it, not copied), so
-    one copy of the weights serves every graph of a process and eager code and every graph see one cache. Graphs are keyed and signed (artifacts.py): a stale or foreign one is refused with one line and
-    rebuilt. Where a graph cannot be exported, that shape is compiled in this process instead (one line says so).
-    A subclass says what is exported (`exported`, `example`), what keys it (`key_fields`) and what it is called."""
+    """A module's forward through stored AOTInductor graphs: one per batch and cache batch, dynamic in the number of
+    tokens T (dim 1 of the inputs, dim 2 of the mask) and in the cache length S (dim 3 of the mask, dim 2 of the KV
+    cache), built once and kept beside the checkpoint. A graph holds kernels only: the weights are the module's own
+    tensors, handed to it when it is loaded (not copied), and the KV cache is an input of every call (written in
+    place), so one copy of the weights serves every graph of a process, eager code and every graph see one cache,
+    and no cache length or --max_new_tokens builds another graph. Graphs are keyed and signed (artifacts.py): a
+    stale or foreign one is refused with one line and rebuilt. Where a graph cannot be exported, that shape is
+    compiled in this process instead (one line says so). A subclass says what is exported (`exported`, `example`),
+    which tensors are its cache (`caches`), what keys it (`key_fields`) and what it is called."""
     owner = "model"  # the exported wrapper's attribute holding the module: the prefix of its buffers in the graph
     tuple_out = False  # the graph returns several tensors
+    EXAMPLE_LENGTH = 64  # the cache length a graph is exported with (any other length runs the same graph)
+    MAX_LENGTH = 1 << 20  # the longest cache a graph takes
 
     def __init__(self, module: torch.nn.Module, device: str, mode: str, checkpoint_path, n_layer: int):
         self.module, self.device, self.mode, self.path, self.n_layer = module, device, mode, checkpoint_path, n_layer
         self.options = stored_options(module, mode, device)
-        self.graphs = {}  # (batch, cache batch, cache length) -> [run(*args), bind(cache tensors) or None, bound cache]
+        self.graphs = {}  # (batch, cache batch) -> (run(*args), bind(tensors) or None where compiled in the process)
 
     def exported(self) -> torch.nn.Module:
         raise NotImplementedError
 
+    def caches(self) -> list:
+        """The module's KV cache tensors in the order its graph takes them: each layer's keys, then its values."""
+        raise NotImplementedError
+
     def constants(self) -> dict:
-        """The module's tensors by the names the graph knows them by (its constants' original names)."""
+        """The module's tensors but its KV cache, by the names the graph knows them by (their original names)."""
         tensors = itertools.chain(self.module.named_parameters(), self.module.named_buffers())
-        return {f"{self.owner}.{name}": t for name, t in tensors}
+        return {f"{self.owner}.{name}": t for name, t in tensors if "kv_cache" not in name}
 
     def layout(self) -> str:
-        """A digest of the shape, strides and dtype of every tensor the graph reads but the KV cache (keyed by its own
-        field): a graph's kernels are built for the layout they were traced with, and read any other one wrongly."""
-        specs = sorted([name, list(t.shape), list(t.stride()), str(t.dtype)] for name, t in self.constants().items()
-                       if "kv_cache" not in name)
+        """A digest of the shape, strides and dtype of every tensor the graph reads as a constant: a graph's kernels are
+        built for the layout they were traced with, and read any other one wrongly."""
+        specs = sorted([name, list(t.shape), list(t.stride()), str(t.dtype)] for name, t in self.constants().items())
         return hashlib.sha256(json.dumps(specs).encode()).hexdigest()
 
-    def example(self, batch: int, length: int, tokens: int) -> tuple:
-        """The graph's arguments for `tokens` tokens: what it is exported with and what a child process runs."""
+    def example(self, batch: int, cache_batch: int, tokens: int) -> tuple:
+        """The graph's arguments for `tokens` tokens, a cache of EXAMPLE_LENGTH slots last: what it is exported with
+        and what a child process runs."""
         raise NotImplementedError
 
-    def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
+    def example_caches(self, cache_batch: int) -> list:
+        """Zeros shaped like the module's caches, EXAMPLE_LENGTH slots long."""
+        return [torch.zeros(cache_batch, t.shape[1], self.EXAMPLE_LENGTH, t.shape[3], dtype=t.dtype, device=t.device)
+                for t in self.caches()]
+
+    def key_fields(self, batch: int, cache_batch: int) -> dict:
         raise NotImplementedError
 
-    def label(self, batch: int, cache_batch: int, length: int) -> str:
-        return f"{Path(self.path).stem}-b{batch}of{cache_batch}-s{length}"
+    def label(self, batch: int, cache_batch: int) -> str:
+        return f"{Path(self.path).stem}-b{batch}of{cache_batch}"
 
     def compiled_in_process(self):
         raise NotImplementedError
 
-    def run(self, args: tuple, batch: int, cache: Tensor):
-        """The graph of this shape (loaded or built at its first call) on args; `cache`: a tensor of the module's
-        current KV cache, whose batch and length pick the graph (new cache tensors are handed to it)."""
-        shape = (batch, cache.shape[0], cache.shape[2])
+    def run(self, args: tuple, batch: int):
+        """The graph of this batch and the module's cache batch (loaded or built at its first call) on args and the
+        module's current KV cache."""
+        caches = self.caches()
+        shape = (batch, caches[0].shape[0])
         if shape not in self.graphs:
-            self.graphs[shape] = [*self.load(*shape), None]
-        graph = self.graphs[shape]
-        if graph[1] is not None and graph[2] is not cache:  # new cache tensors: hand them over
-            graph[1]({name: t for name, t in self.constants().items() if "kv_cache" in name})
-            graph[2] = cache
-        return graph[0](*(a.contiguous() for a in args))
+            self.graphs[shape] = self.load(*shape)
+        run, bind = self.graphs[shape]
+        args = tuple(a.contiguous() for a in args)
+        return run(*args, *caches) if bind is not None else run(*args)
 
-    def load(self, batch: int, cache_batch: int, length: int):
+    def load(self, batch: int, cache_batch: int):
         """(run, bind) of the stored graph for this shape: loaded if a valid one is stored, else built and stored."""
         import artifacts
-        fields = self.key_fields(batch, cache_batch, length)
+        fields = self.key_fields(batch, cache_batch)
         key = artifacts.key_of(fields)
         directory = artifacts.directory_for(self.path)
-        name = f"{self.label(batch, cache_batch, length)}-{self.mode}-{key[:16]}"
+        name = f"{self.label(batch, cache_batch)}-{self.mode}-{key[:16]}"
         failed = directory / f"{name}.failed"  # a build that failed for this key: not tried again in every run
         marker = failed.read_text(errors="replace").splitlines() if failed.exists() else []
         if marker[:1] == [key]:
@@ -319,7 +333,7 @@ class StoredGraph:
             except Exception as e:  # one this machine built but can no longer load (a system library changed)
                 print(f"refusing the stored graph {library}: it does not load ({type(e).__name__}); building it "
                       f"again", file=sys.stderr)
-        what = f"the graph of {self.path} (batch {batch}, {length} positions, {self.mode})"
+        what = f"the graph of {self.path} (batch {batch} of {cache_batch}, {self.mode})"
         if artifacts.loader_crashed(self.device):
             print(f"not storing {what}: loading a stored graph crashed or hung on this machine with this torch "
                   f"before; compiling it in this process (remove {artifacts.loader_marker(self.device)[0]} to try "
@@ -330,9 +344,9 @@ class StoredGraph:
 
         def build(tmp):
             configure_compiler(self.device)
-            table = self.export(self.example(batch, length, 4), length, tmp)
+            table = self.export(self.example(batch, cache_batch, 4), tmp)
             if self.device.startswith("cuda"):  # the loader crashed on a GPU measured: try it where a crash is harmless
-                loads_in_child(tmp, table, self.device, [self.example(batch, length, t) for t in (1, 4)],
+                loads_in_child(tmp, table, self.device, [self.example(batch, cache_batch, t) for t in (1, 4)],
                                constants=self.constants())
             return table
         try:
@@ -369,28 +383,32 @@ class StoredGraph:
         return run, None
 
     def open(self, library: Path):
-        """Load a stored graph and hand it the module's weights: run(*args) and bind(KV cache tensors by name). The
+        """Load a stored graph and hand it the module's weights: run(*args, *caches) and bind(tensors by name). The
         library itself: loading the package would unzip it to a temp directory first (BENCHMARKS.md). On CUDA its
         few-token calls are replayed from CUDA graphs (Replayed)."""
         runner = aoti_runner(library, self.device)
         run = (lambda *args: runner.run(list(args)))
         if self.device.startswith("cuda"):
-            run = Replayed(run)
+            run = Replayed(run, len(self.caches()))
         bind, tensors = binder(runner, run), self.constants()
-        missing = sorted(bind.names - set(tensors))
+        # the module's own cache buffers may be listed too, unread: the graph takes the cache as inputs
+        missing = sorted(n for n in bind.names - set(tensors) if "kv_cache" not in n)
         if missing:  # a graph holds no constants of its own: one the module lacks is one it would read as garbage
             raise RuntimeError(f"the graph reads {missing[0]}, which the module does not hold")
-        bind({name: t for name, t in tensors.items() if "kv_cache" not in name})
+        bind(tensors)
         if self.tuple_out:
             return (lambda *args: tuple(run(*args))), bind
         return (lambda *args: run(*args)[0]), bind
 
-    def export(self, example, length: int, tmp: Path):
-        """Export the module for these shapes, compile it with AOTInductor, keep its one shared library at tmp;
-        returns its operator table (the package's wrapper .json: what the runner needs to call custom operators
-        that have no C entry point; ours have one, kernels.c_shims), or None."""
-        tokens = torch.export.Dim("tokens", min=1, max=length)
-        dynamic = tuple({2 if a.dtype == torch.bool else 1: tokens} for a in example)  # the mask: [B, 1, T, S]
+    def export(self, example, tmp: Path):
+        """Export the module, dynamic in the tokens and the cache length, compile it with AOTInductor, keep its one
+        shared library at tmp; returns its operator table (the package's wrapper .json: what the runner needs to call
+        custom operators that have no C entry point; ours have one, kernels.c_shims), or None."""
+        tokens = torch.export.Dim("tokens", min=1, max=self.MAX_LENGTH)
+        length = torch.export.Dim("cache", min=2, max=self.MAX_LENGTH)
+        n = len(example) - len(self.caches())
+        dynamic = (*({2: tokens, 3: length} if a.dtype == torch.bool else {1: tokens}  # the mask: [B, 1, T, S]
+                     for a in example[:n]), tuple({2: length} for _ in example[n:]))  # *caches: [B, H, S, D] each
         with torch.no_grad():
             program = torch.export.export(self.exported(), example, strict=False, dynamic_shapes=dynamic)
             package = Path(f"{tmp}.pt2")  # the packager wants its suffix
@@ -413,7 +431,7 @@ class StoredGraph:
 
 class StoredForward(StoredGraph):
     """model(idx, input_pos, slots, mask) through stored graphs (StoredGraph): T is 1 for decode, the tree size for
-    verification, the prompt's length for prefill, so they share one graph per batch and cache size."""
+    verification, the prompt's length for prefill, so they share one graph per batch and cache batch."""
 
     def __init__(self, model: Transformer, device: str, mode: str, features: tuple = ()):
         super().__init__(model, device, mode, model.checkpoint_path, model.args.n_layer)
@@ -425,30 +443,33 @@ class StoredForward(StoredGraph):
         model = self.model
         if slots is None:
             slots = input_pos
-        if mask is None:  # causal over slots, as Transformer.hidden_states makes it
+        if mask is None:  # causal over slots, as Transformer.run_layers makes it
             cache_slots = torch.arange(model.max_seq_length, device=idx.device)
             mask = cache_slots.view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
-        cache = model.layers[0].attention.kv_cache.k_cache
         batch = idx.shape[0]
-        args = (idx.long(), input_pos.long(), slots.long(), mask.expand(batch, 1, idx.shape[1], cache.shape[2]))
-        return self.run(args, batch, cache)
+        args = (idx.long(), input_pos.long(), slots.long(), mask.expand(batch, 1, idx.shape[1], model.max_seq_length))
+        return self.run(args, batch)
 
     def exported(self):
         return ExportedForward(self.model, self.features)
 
-    def example(self, batch: int, length: int, tokens: int) -> tuple:
-        return example_inputs(batch, length, self.device, tokens)
+    def caches(self) -> list:
+        return [t for layer in self.model.layers for t in (layer.attention.kv_cache.k_cache,
+                                                            layer.attention.kv_cache.v_cache)]
 
-    def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
+    def example(self, batch: int, cache_batch: int, tokens: int) -> tuple:
+        return (*example_inputs(batch, self.EXAMPLE_LENGTH, self.device, tokens), *self.example_caches(cache_batch))
+
+    def key_fields(self, batch: int, cache_batch: int) -> dict:
         """Everything that changes the code generated for this model and shape (artifacts.py)."""
-        cache = self.model.layers[0].attention.kv_cache.k_cache
+        cache = self.caches()[0]
         return dict(model_key_fields(self.model, self.device, self.mode),
-                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options, layout=self.layout(),
+                    cache=[batch, cache_batch, str(cache.dtype)], options=self.options, layout=self.layout(),
                     features=list(self.features))
 
-    def label(self, batch: int, cache_batch: int, length: int) -> str:
+    def label(self, batch: int, cache_batch: int) -> str:
         features = "-f" + ".".join(map(str, self.features)) if self.features else ""
-        return super().label(batch, cache_batch, length) + features
+        return super().label(batch, cache_batch) + features
 
     def compiled_in_process(self):
         model = self.model
@@ -457,14 +478,15 @@ class StoredForward(StoredGraph):
 
 
 class ExportedHead(torch.nn.Module):
-    """A draft head's body (drafthead.DraftHead.body) with every argument explicit, as its stored graphs export it."""
+    """A draft head's body (drafthead.DraftHead.body) with every argument explicit, its KV cache last, as its stored
+    graphs export it."""
 
     def __init__(self, head: torch.nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, embedded, hidden, input_pos, slots, mask):
-        return self.head.body(embedded, hidden, input_pos, slots, mask)
+    def forward(self, embedded, hidden, input_pos, slots, mask, *cache):
+        return self.head.body(embedded, hidden, input_pos, slots, mask, cache)
 
 
 class StoredHead(StoredGraph):
@@ -477,34 +499,87 @@ class StoredHead(StoredGraph):
         self.head = head
 
     def __call__(self, embedded: Tensor, hidden: Tensor, input_pos: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-        cache = self.head.attention.kv_cache.k_cache
+        length = self.head.attention.kv_cache.k_cache.shape[2]
         batch, tokens = hidden.shape[:2]
-        args = (embedded, hidden, input_pos.long(), slots.long(), mask.expand(batch, 1, tokens, cache.shape[2]))
-        return self.run(args, batch, cache)
+        args = (embedded, hidden, input_pos.long(), slots.long(), mask.expand(batch, 1, tokens, length))
+        return self.run(args, batch)
 
     def exported(self):
         return ExportedHead(self.head)
 
-    def example(self, batch: int, length: int, tokens: int) -> tuple:
+    def caches(self) -> list:
+        return [self.head.attention.kv_cache.k_cache, self.head.attention.kv_cache.v_cache]
+
+    def example(self, batch: int, cache_batch: int, tokens: int) -> tuple:
+        length = self.EXAMPLE_LENGTH
         T, dim = min(tokens, length - 1), self.head.args.dim
         dtype = self.head.norm.weight.dtype
         pos = (torch.arange(T, device=self.device) + 1).expand(batch, T).contiguous()  # slot 0 is never written
         cache_slots = torch.arange(length, device=self.device).view(1, 1, 1, -1)
         mask = (cache_slots <= pos.view(batch, 1, T, 1)) & (cache_slots > 0)
         features = torch.zeros(batch, T, dim, dtype=dtype, device=self.device)
-        return features, features.clone(), pos, pos.clone(), mask
+        return features, features.clone(), pos, pos.clone(), mask, *self.example_caches(cache_batch)
 
-    def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
-        cache = self.head.attention.kv_cache.k_cache
+    def key_fields(self, batch: int, cache_batch: int) -> dict:
+        cache = self.caches()[0]
         return dict(model_key_fields(self.head, self.device, self.mode, TRACED_MODULES + ("drafthead",)),
-                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options, layout=self.layout())
+                    cache=[batch, cache_batch, str(cache.dtype)], options=self.options, layout=self.layout())
 
-    def label(self, batch: int, cache_batch: int, length: int) -> str:
-        return f"head-b{batch}of{cache_batch}-s{length}"
+    def label(self, batch: int, cache_batch: int) -> str:
+        return f"head-b{batch}of{cache_batch}"
 
     def compiled_in_process(self):
         return torch.compile(self.head.body, fullgraph=True, dynamic=True,
                              **graph_options(self.head, self.device, "whole"))
+
+
+def inventory(directory: Path, weights_directory: Optional[Path] = None) -> list:
+    """What a compiled/ directory holds: one row per artifact (its files together: library, operator table,
+    metadata, failure marker) with its bytes, kind, and why it is stale (None if this machine, software and code
+    would still load it): built for a weights file that changed or is gone, other software or another machine, older
+    source code, or something unreadable. Graphs of other batch sizes or modes are not stale: another run may use
+    them; a failed build's marker is (pruning it retries the build). weights_directory: where the weights files
+    are (default: the directory above compiled/)."""
+    import artifacts
+    here = {k: v for k, v in artifacts.machine().items() if k != "threads"}
+    sources = {artifacts.sources_digest(TRACED_MODULES), artifacts.sources_digest(TRACED_MODULES + ("drafthead",))}
+    native = artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp"))
+    identities = {}
+    groups = {}
+    for path in sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []:
+        name = path.name
+        for suffix in (".meta.json", ".failed", ".so", ".bin", ".json"):
+            if name.endswith(suffix) and not name.startswith("."):
+                name = name[:-len(suffix)]
+                break
+        groups.setdefault(name, []).append(path)
+    rows = []
+    for name, paths in groups.items():
+        meta = Path(directory) / f"{name}.meta.json"
+        kind = ("timings" if name.startswith("auto-timings-") else "failed build" if paths[0].suffix == ".failed"
+                and len(paths) == 1 else "kernels" if "-kernels-" in name else "graph")
+        stale = None
+        if kind == "graph" or kind == "kernels":
+            try:
+                fields = json.loads(meta.read_text())["fields"]
+                weights = Path(weights_directory or Path(directory).parent) / fields["weights"]["file"]
+                if weights not in identities:
+                    identities[weights] = artifacts.file_identity(weights) if weights.exists() else None
+                if identities[weights] != fields["weights"]:
+                    stale = "its weights file changed or is gone"
+                elif {k: v for k, v in fields["machine"].items() if k != "threads"} != here:
+                    stale = "built with other software or on another machine"
+                elif fields["sources"] not in sources or fields["native"] != native:
+                    stale = "built from older code"
+            except (OSError, ValueError, KeyError, TypeError):
+                stale = "no readable metadata"
+        elif kind == "failed build":
+            stale = "a failed build's marker"
+        elif name.startswith("."):  # a write in progress, or a killed one's: the next write removes the latter
+            kind = "partial write"
+        rows.append({"name": name, "kind": kind, "bytes": sum(p.stat().st_size for p in paths), "stale": stale,
+                     "paths": [str(p) for p in paths]})
+    return rows
 
 
 def compile_head(head: torch.nn.Module, device: str, mode: str = "auto"):
@@ -623,17 +698,23 @@ class Replayed:
     replayed from CUDA graphs: an AOTInductor graph launches each kernel from the host, and a small batch's step is
     bound by those launches. A shape is captured at its second call (the first warms up) and kept only if its replay
     equals the direct run of the same inputs (writing the same tokens into the cache twice changes nothing);
-    otherwise that shape keeps launching directly."""
+    otherwise that shape keeps launching directly. The last `in_place` arguments (the KV cache) are not copied: the
+    captured graphs read and write them where they are, so new cache tensors drop every capture."""
     MAX_TOKENS = 16
 
-    def __init__(self, run):
-        self.run, self.graphs, self.seen = run, {}, set()
+    def __init__(self, run, in_place: int = 0):
+        self.run, self.graphs, self.seen, self.in_place, self.addresses = run, {}, set(), in_place, None
 
     def reset(self):
         self.graphs.clear()
         self.seen.clear()
 
     def __call__(self, *args):
+        copied = len(args) - self.in_place
+        addresses = [a.data_ptr() for a in args[copied:]]
+        if addresses != self.addresses:  # captured graphs hold the old cache's addresses
+            self.reset()
+            self.addresses = addresses
         key = tuple((tuple(a.shape), a.dtype) for a in args)
         if args[0].shape[1] > self.MAX_TOKENS:
             return self.run(*args)
@@ -647,18 +728,19 @@ class Replayed:
         if entry is False:
             return self.run(*args)
         graph, inputs, outputs = entry
-        for static, a in zip(inputs, args):
+        for static, a in zip(inputs, args[:copied]):
             static.copy_(a)
         graph.replay()
         return [o.clone() for o in outputs]
 
     def capture(self, args, expected):
-        inputs = [a.clone() for a in args]
+        copied = len(args) - self.in_place
+        inputs = [a.clone() for a in args[:copied]]
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
             with torch.cuda.graph(graph):
-                outputs = self.run(*inputs)
+                outputs = self.run(*inputs, *args[copied:])
             graph.replay()
             same = len(outputs) == len(expected) and all(torch.equal(o, e) for o, e in zip(outputs, expected))
         except RuntimeError as e:

@@ -202,7 +202,6 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     if mode.startswith("stored"):  # loading a stored graph imports no compiler (inductor alone takes seconds)
         stored = StoredForward(model, device, mode, features)
         forward = (lambda *args, **kwargs: stored(*args, **kwargs)[0]) if features else stored
-        model.round_cache_length = True  # a few cache lengths, so a few graphs, whatever each prompt's length
         return Engine(model, mode, prefill=dropping_model(prefill, forward),
                       decode_one_token=dropping_model(decode_one_token, forward), forward=forward, features=features,
                       forward_features=stored if features else None, stored=stored)

@@ -178,11 +178,12 @@ class DraftHead(nn.Module):
         embedded = self.embeddings(tokens).to(hidden.dtype)
         return (self.compiled or self.body)(embedded, hidden, input_pos, slots, mask)
 
-    def body(self, embedded: Tensor, hidden: Tensor, input_pos: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def body(self, embedded: Tensor, hidden: Tensor, input_pos: Tensor, slots: Tensor, mask: Tensor,
+             cache: Optional[tuple] = None) -> Tensor:
         """forward() from the tokens' embeddings on: what compilation.compile_head compiles (the target's embedding table
-        stays outside the head's graphs)."""
+        stays outside the head's graphs); cache: (keys, values) in place of the head's own (a stored graph's inputs)."""
         x = torch.cat([self.input_norm(embedded), self.hidden_norm(hidden)], -1)
-        h = hidden + self.attention(x, self.rope_table[input_pos], mask, slots)
+        h = hidden + self.attention(x, self.rope_table[input_pos], mask, slots, cache)
         return h + self.feed_forward(self.post_norm(h))
 
     def logits(self, h: Tensor) -> Tensor:

@@ -181,11 +181,10 @@ def weight_bytes(model: Transformer, device: str, precision) -> int:
 
 def cache_bytes(model: Transformer, batch_size: int, length: int) -> tuple:
     """(KV cache bytes, RoPE table bytes) that model.setup_caches(batch_size, length) allocates (0 where what it
-    has is big enough): keys and values [B, kv heads, S, head_dim] per layer, S rounded as setup_caches rounds
-    it; the table [max(S, context), head_dim / 2, 2] float32, counted twice (building it holds its angles too)."""
+    has is big enough): keys and values [B, kv heads, S, head_dim] per layer; the table [max(S, context),
+    head_dim / 2, 2] float32, counted twice (building it holds its angles too)."""
     if model.max_batch_size >= batch_size and model.max_seq_length >= length:
         return 0, 0
-    length = model.cache_length(length)
     dtype = model.tok_embeddings.weight.dtype
     size = dtype.itemsize if dtype.is_floating_point else 4
     kv = sum(2 * batch_size * layer.attention.n_local_heads * layer.attention.head_dim * length * size

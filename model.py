@@ -221,11 +221,15 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor):
-        # slots: [B, T]; k, v: [B, T, H, D]; row b writes its T entries at slots[b]
-        rows = torch.arange(slots.shape[0], device=slots.device).unsqueeze(1)
-        self.k_cache[rows, :, slots] = k
-        self.v_cache[rows, :, slots] = v
-        return self.k_cache[:slots.shape[0]], self.v_cache[:slots.shape[0]]
+        return write_cache(self.k_cache, self.v_cache, slots, k, v)
+
+
+def write_cache(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor):
+    """Row b of k, v [B, T, H, D] into the caches [B', H, S, D] at slots[b] ([B, T]); the caches' first B rows."""
+    rows = torch.arange(slots.shape[0], device=slots.device).unsqueeze(1)
+    k_cache[rows, :, slots] = k
+    v_cache[rows, :, slots] = v
+    return k_cache[:slots.shape[0]], v_cache[:slots.shape[0]]
 
 
 class RMSNorm(nn.Module):
@@ -276,14 +280,15 @@ class Attention(nn.Module):
         self.wo = Linear(q_size, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor, cache: Optional[tuple] = None) -> Tensor:
+        """cache: (keys, values) tensors to use instead of the layer's own KV cache (a stored graph's inputs)."""
         B, T, _ = x.shape
         n_q, n_kv = self.n_head, self.n_local_heads  # per-shard counts under tensor parallelism
         q, k, v = self.wqkv(x).split([n_q * self.head_dim, n_kv * self.head_dim, n_kv * self.head_dim], dim=-1)
         q = apply_rope(q.view(B, T, n_q, self.head_dim), rope)
         k = apply_rope(k.view(B, T, n_kv, self.head_dim), rope)
         v = v.view(B, T, n_kv, self.head_dim)
-        keys, values = self.kv_cache.update(slots, k, v)
+        keys, values = self.kv_cache.update(slots, k, v) if cache is None else write_cache(*cache, slots, k, v)
         # grouped-query attention without copying the cache: fold the query heads of a group into
         # the sequence dimension, [B, n_kv, group * T, D] (the mask rows are shared within a group)
         group = n_q // n_kv
@@ -316,8 +321,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, rope, mask, slots):
-        h = x + self.attention(self.attention_norm(x), rope, mask, slots)
+    def forward(self, x, rope, mask, slots, cache=None):
+        h = x + self.attention(self.attention_norm(x), rope, mask, slots, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -333,13 +338,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_length = -1
-        self.round_cache_length = False  # stored graphs (compilation.StoredForward): one per cache length, so few lengths
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None):
         """Allocate the KV cache and RoPE table once; nothing is reallocated per token."""
         if self.max_batch_size >= max_batch_size and self.max_seq_length >= max_seq_length:
             return
-        max_seq_length = self.cache_length(max_seq_length)
         if self.tok_embeddings.weight.device.type == "cpu":
             a8_kernels()  # built (once per source) before a graph traces attention, which cannot build it
         dtype = dtype or self.tok_embeddings.weight.dtype
@@ -356,22 +359,17 @@ class Transformer(nn.Module):
             # object would make every compiled graph that reads it (its guards check the object) compile again
             self.register_buffer("rope_table", precompute_rope(self.args, positions).to(device), persistent=False)
 
-    def cache_length(self, length: int) -> int:
-        """The cache length setup_caches allocates for `length` positions: with round_cache_length a power of two
-        from 256, at most the context (unless more was asked for)."""
-        if not self.round_cache_length:
-            return length
-        return max(length, min(max(256, 1 << (length - 1).bit_length()), self.args.block_size))
-
     def forward(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None,
-                mask: Optional[Tensor] = None, block=None) -> Tensor:
+                mask: Optional[Tensor] = None, block=None, caches: Optional[list] = None) -> Tensor:
         """idx, input_pos: [B, T] token ids and their RoPE positions.
         slots: [B, T] cache slots to write (default: input_pos).
         mask: [B, 1, T, max_seq_length] bool, True where a query may attend to a cache slot
         (default: causal over slots, i.e. every slot <= the query's own).
         block(layer, x, rope, mask, slots) runs one layer (default: the layer itself); decode.compile_engine
-        passes one compiled function that serves every layer. Returns the logits [B, T, V]."""
-        return self.output(self.norm(self.hidden_states(idx, input_pos, slots, mask, block)))
+        passes one compiled function that serves every layer. caches: one (keys, values) per layer in place of the
+        layers' own KV caches (a stored graph takes them as inputs, so one graph serves every cache length).
+        Returns the logits [B, T, V]."""
+        return self.output(self.norm(self.run_layers(idx, input_pos, slots, mask, block, caches=caches)[0]))
 
     def hidden_states(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None,
                       mask: Optional[Tensor] = None, block=None) -> Tensor:
@@ -379,14 +377,14 @@ class Transformer(nn.Module):
         return self.run_layers(idx, input_pos, slots, mask, block)[0]
 
     def forward_features(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None,
-                         mask: Optional[Tensor] = None, layers: tuple = (), block=None):
+                         mask: Optional[Tensor] = None, layers: tuple = (), block=None, caches: Optional[list] = None):
         """forward()'s logits [B, T, V] and the inputs of the blocks `layers`, concatenated [B, T, len(layers) * dim]:
         the features a draft head reads (EAGLE-3, Li et al. 2025: low, middle and high layers)."""
-        h, features = self.run_layers(idx, input_pos, slots, mask, block, layers)
+        h, features = self.run_layers(idx, input_pos, slots, mask, block, layers, caches)
         return self.output(self.norm(h)), features
 
     def run_layers(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor], mask: Optional[Tensor], block,
-                   capture: tuple = ()):
+                   capture: tuple = (), caches: Optional[list] = None):
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
         if slots is None:
@@ -400,7 +398,10 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured.append(x)
-            x = layer(x, rope, mask, slots) if block is None else block(layer, x, rope, mask, slots)
+            if caches is not None:
+                x = layer(x, rope, mask, slots, caches[i])
+            else:
+                x = layer(x, rope, mask, slots) if block is None else block(layer, x, rope, mask, slots)
         return x, (torch.cat(captured, -1) if captured else None)
 
     def model_bytes(self) -> int:

@@ -15,8 +15,8 @@ fi
 # build the stored graphs of target and draft side by side (each build is mostly one core's work); later runs find
 # them in $DIR/compiled/ and skip this
 if ! ls "$DIR"/compiled/model-b1of1-*.so > /dev/null 2>&1; then
-  python scripts/compile_model.py --checkpoint_path "$DIR/model_int4.g32.pth" --max_tokens 256 > /dev/null &
-  python scripts/compile_model.py --checkpoint_path "$DIR/model.pth" --max_tokens 256
+  python scripts/compile_model.py --checkpoint_path "$DIR/model_int4.g32.pth" > /dev/null &
+  python scripts/compile_model.py --checkpoint_path "$DIR/model.pth"
   wait
 fi
 # the draft is the model's own int4 copy: it agrees with the fp32 target on most tokens (identical output).

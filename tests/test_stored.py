@@ -103,34 +103,38 @@ def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(stored
 
 
 @pytest.mark.slow
-def test_stored_graphs_hold_kernels_only_and_read_the_models_own_weights(stored):
-    """A stored graph holds no copy of the weights: graphs of two batch sizes and two cache lengths in one process
-    all read the model's own tensors (the same memory), no stored library and nothing the build left in inductor's
-    cache holds a weight's bytes, and each graph decodes what eager decoding does."""
+def test_stored_graphs_hold_kernels_only_serve_every_cache_length_and_read_the_models_own_weights(stored, capsys):
+    """A stored graph holds no copy of the weights and no cache length: one graph per batch size runs every cache
+    length (three here, none built again), the graphs of two batch sizes in one process all read the model's own
+    tensors (the same memory), no stored library and nothing the build left in inductor's cache holds a weight's
+    bytes, and each call decodes what eager decoding does."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     started = time.time()
     engine = stored_engine(stored)
     model = engine.model
-    model.round_cache_length = False  # the micro model's context is 64: two lengths below it
-    model.setup_caches(1, 32)
     x = torch.tensor([[4, 8, 15, 16, 23]])
     pos = torch.arange(5).view(1, 5)
     eager = generation.load_model(stored)
     with torch.no_grad():
         eager.setup_caches(2, 64)
         expected = eager(x.expand(2, 5), pos.expand(2, 5))
-        torch.testing.assert_close(engine.forward(x, pos), expected[:1], rtol=1e-4, atol=1e-4)  # batch 1, 32 slots
+        for length in (16, 40, 64):
+            model.setup_caches(1, length)
+            assert model.max_seq_length == length
+            torch.testing.assert_close(engine.forward(x, pos), expected[:1], rtol=1e-4, atol=1e-4)
+            rebuilt = built(capsys)  # the first length may build the graph (a test before may have)
+            assert length == 16 or not rebuilt, f"a cache of {length} slots built another graph"
         model.setup_caches(2, 64)
         torch.testing.assert_close(engine.forward(x.expand(2, 5), pos.expand(2, 5)), expected, rtol=1e-4, atol=1e-4)
     graphs = engine.stored.graphs
-    assert {(1, 1, 32), (2, 2, 64)} <= set(graphs)
+    assert set(graphs) == {(1, 1), (2, 2)}  # (batch, cache batch): one graph each, whatever the cache length
     own = {name: t.data_ptr() for name, t in engine.stored.constants().items()}
-    weights = [name for name in own if "kv_cache" not in name]
-    for shape, (_, bind, _) in graphs.items():
+    for shape, (_, bind) in graphs.items():
         constants = bind.runner.extract_constants_map(False)
-        assert set(weights) <= set(constants), shape
-        assert all(constants[name].data_ptr() == own[name] for name in weights), shape  # caches: rebound per call
-    largest = max((t for name, t in engine.stored.constants().items() if name in weights), key=torch.Tensor.numel)
+        weights = [name for name in constants if "kv_cache" not in name]  # the cache is an input, not a constant
+        assert set(weights) == set(own), shape
+        assert all(constants[name].data_ptr() == own[name] for name in weights), shape
+    largest = max(engine.stored.constants().values(), key=torch.Tensor.numel)
     needle = largest.contiguous().view(-1)[largest.numel() // 2:][:32].numpy().tobytes()  # 128 random bytes
     libraries = list((stored.parent / "compiled").glob("*.so"))
     assert len(libraries) >= 2 and not any(needle in library.read_bytes() for library in libraries)
@@ -151,10 +155,44 @@ def test_cli_compile_stores_then_loads(stored, tmp_path):
     assert first["compile_mode"] == second["compile_mode"] == "stored"
     assert plain["samples"][0]["tokens"] == first["samples"][0]["tokens"] == second["samples"][0]["tokens"]
     done = subprocess.run([sys.executable, str(ROOT / "scripts/compile_model.py"), "--checkpoint_path", str(checkpoint),
-                           "--max_tokens", "64", "--speculate_k", "2", "--draft_ngram", "2"],
+                           "--speculate_k", "2", "--draft_ngram", "2"],
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr
     assert "compiling the graph of" not in done.stderr and "stored in" in done.stdout
+
+
+@pytest.mark.slow
+def test_compile_model_lists_and_prunes_stale_artifacts(stored):
+    """scripts/compile_model.py --list shows every artifact of compiled/ with its size and why it is stale; --prune
+    removes the stale (another weights file's identity, older code, a failed build's marker, unreadable metadata)
+    and keeps what this machine would still load: the next run builds nothing."""
+    greedy(stored_engine(stored), n=2)  # built by an earlier test, or here
+    directory = stored.parent / "compiled"
+    current = sorted(p.name for p in directory.iterdir())
+    meta = json.loads(next(directory.glob("*-b1of1-stored-*.meta.json")).read_text())
+    other_weights = dict(meta, fields=dict(meta["fields"], weights=dict(meta["fields"]["weights"], bytes=1)))
+    older_code = dict(meta, fields=dict(meta["fields"], sources="0" * 64))
+    (directory / "model-b3of3-stored-0000000000000000.so").write_bytes(b"\0" * 3000)
+    (directory / "model-b3of3-stored-0000000000000000.meta.json").write_text(json.dumps(other_weights))
+    (directory / "model-b5of5-stored-1111111111111111.so").write_bytes(b"\0" * 5000)
+    (directory / "model-b5of5-stored-1111111111111111.meta.json").write_text(json.dumps(older_code))
+    (directory / "model-b6of6-stored-2222222222222222.failed").write_text("key\nRuntimeError: no\n")
+    (directory / "model-b7of7-s256-stored-3333333333333333.so").write_bytes(b"\0" * 7000)  # no metadata
+
+    def compile_model(*flags):
+        done = subprocess.run([sys.executable, str(ROOT / "scripts/compile_model.py"), "--checkpoint_path",
+                               str(stored), *flags], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+    listed = compile_model("--list")
+    for name, why in [("model-b3of3", "its weights file changed"), ("model-b5of5", "built from older code"),
+                      ("model-b6of6", "a failed build's marker"), ("model-b7of7", "no readable metadata")]:
+        assert any(name in line and why in line for line in listed.splitlines()), (name, listed)
+    assert len(list(directory.iterdir())) == len(current) + 6  # listing removes nothing
+    pruned = compile_model("--prune")
+    assert "removed" in pruned and sorted(p.name for p in directory.iterdir()) == current
+    capsys_free = run_script(LOAD_RUN, stored, directory.parent / "inductor", torch.get_num_threads())[1]
+    assert "compiling the graph of" not in capsys_free
 
 
 def key_for(path, **change):
@@ -162,7 +200,7 @@ def key_for(path, **change):
     model = generation.load_model(path)
     model.setup_caches(1, 64)
     forward = compilation.StoredForward(model, "cpu", change.get("mode", "stored"))
-    return artifacts.key_of(forward.key_fields(1, 1, 64))
+    return artifacts.key_of(forward.key_fields(1, 1))
 
 
 def test_every_key_component_changes_the_key(checkpoint, tmp_path, monkeypatch):
@@ -199,7 +237,7 @@ def test_a_draft_heads_key_follows_its_weights_and_scheme(checkpoint, tmp_path):
     def key(directory, int8=True):
         head = load_head(directory, model, int8=int8)
         head.setup_caches(1, 64)
-        return artifacts.key_of(compilation.StoredHead(head, "cpu", "stored").key_fields(1, 1, 64))
+        return artifacts.key_of(compilation.StoredHead(head, "cpu", "stored").key_fields(1, 1))
     save_head(random_head(model, 256, seed=6), tmp_path / "head")
     base = key(tmp_path / "head")
     assert key(tmp_path / "head") == base
@@ -334,8 +372,7 @@ def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("compile_model", ROOT / "scripts" / "compile_model.py")
     compile_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compile_model)
-    rows = compile_model.compile_model(checkpoint, speculation=generation.Speculation(2), max_tokens=(64,),
-                                       draft_head=tmp_path / "head")
+    rows = compile_model.compile_model(checkpoint, speculation=generation.Speculation(2), draft_head=tmp_path / "head")
     assert "compiling the graph of" not in capsys.readouterr().err  # everything the configuration needs is there
     assert [row["stem"] for row in rows] == [checkpoint.stem, "head"]
     a8 = quantize.quantize_checkpoint(checkpoint, "int8-a8")
@@ -445,9 +482,9 @@ def test_a_built_graph_is_tried_in_a_child_process(stored):
     with its operator table loads and runs in a child process; a broken one is reported, not loaded here."""
     engine = stored_engine(stored)
     greedy(engine, n=2)  # built by an earlier test, or here
-    library = next((stored.parent / "compiled").glob("*.so"))
+    library = next((stored.parent / "compiled").glob("*-b1of1-*.so"))
     table = library.with_suffix(".json").read_text() if library.with_suffix(".json").exists() else None
-    examples = [compilation.example_inputs(1, 64, "cpu", tokens) for tokens in (1, 4)]
+    examples = [engine.stored.example(1, 1, tokens) for tokens in (1, 4)]
     constants = engine.stored.constants()
     compilation.loads_in_child(library, table, "cpu", examples, constants=constants)
     broken = library.parent / "broken.so"
@@ -492,12 +529,12 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
         model.setup_caches(1, 64)
         return compilation.StoredForward(model, "cpu", "stored")
     monkeypatch.setattr(compilation.StoredForward, "export", fails)
-    run, bind = forward().load(1, 1, 64)
+    run, bind = forward().load(1, 1)
     assert bind is None and callable(run)
     assert "cannot store" in capsys.readouterr().err
     assert len(list((checkpoint.parent / "compiled").glob("*.failed"))) == 1
     monkeypatch.setattr(compilation.StoredForward, "export", lambda *args: pytest.fail("built again"))
-    run, bind = forward().load(1, 1, 64)
+    run, bind = forward().load(1, 1)
     assert bind is None and callable(run)
     err = capsys.readouterr().err
     assert "could not be stored here (RuntimeError: cannot export this model)" in err and len(err.splitlines()) == 1
@@ -505,7 +542,7 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another key
     try:
-        forward().load(1, 1, 64)
+        forward().load(1, 1)
     finally:
         torch.set_num_threads(threads)
     assert "cannot store" in capsys.readouterr().err
@@ -547,13 +584,13 @@ def test_a_loader_that_crashed_is_given_no_other_graph_to_build(checkpoint, tmp_
     threads = torch.get_num_threads()
     try:
         monkeypatch.setattr(compilation.StoredForward, "export", fails)
-        forward(threads + 1).load(1, 1, 64)
+        forward(threads + 1).load(1, 1)
         assert "cannot store" in capsys.readouterr().err and not artifacts.loader_crashed("cpu")
         monkeypatch.setattr(compilation.StoredForward, "export", crashes)
-        forward(threads + 2).load(1, 1, 64)
+        forward(threads + 2).load(1, 1)
         assert "signal 11" in capsys.readouterr().err and artifacts.loader_crashed("cpu")
         monkeypatch.setattr(compilation.StoredForward, "export", lambda *args: pytest.fail("built again"))
-        run, bind = forward(threads + 3).load(1, 1, 64)
+        run, bind = forward(threads + 3).load(1, 1)
         assert bind is None and callable(run)
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and "not storing" in err[0] and "loader-crashed to try again" in err[0]
@@ -642,7 +679,7 @@ def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(smal
     AOTInductor's packager writes its .pt2), so the failure is torch's own RuntimeError of a real full disk. One
     line naming the library, and no `.failed` marker: a full disk says nothing about the graph, and the next run
     with room builds it."""
-    def export(self, example, length, tmp):
+    def export(self, example, tmp):
         torch.save({"library": torch.zeros(1 << 18)}, tmp)
     monkeypatch.setattr(compilation.StoredForward, "export", export)
     checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
@@ -650,7 +687,7 @@ def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(smal
     model = generation.load_model(checkpoint)
     model.setup_caches(1, 64)
     forward = compilation.StoredForward(model, "cpu", "stored")
-    lines = full_disk_run(small_disk, 64 << 10, lambda: forward.load(1, 1, 64), capsys)
+    lines = full_disk_run(small_disk, 64 << 10, lambda: forward.load(1, 1), capsys)
     compiled = checkpoint.parent / "compiled"
     assert lines[-1].startswith(f"error: {small_disk.cause}: {compiled}/model-") and ".so: " in lines[-1], lines
     assert not any("cannot store" in line for line in lines), lines
