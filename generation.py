@@ -60,8 +60,9 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
             raise UserError(f"{path}: {e}") from None
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise UserError(f"{path} does not hold a state dict of tensors: re-convert it")
-    if args.tie_word_embeddings and "output.weight" not in state_dict:
-        state_dict = dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
+    if args.tie_word_embeddings and "output.weight" not in state_dict:  # the output reads the table's own tensors
+        state_dict = dict(state_dict, **{f"output.{name}": state_dict[f"tok_embeddings.{name}"]
+                                         for name in ("weight", "scales") if f"tok_embeddings.{name}" in state_dict})
     load_weights(model, state_dict, path)
     if args.tie_word_embeddings and not scheme:
         model.output.weight = model.tok_embeddings.weight
@@ -185,8 +186,7 @@ def cache_bytes(model: Transformer, batch_size: int, length: int) -> tuple:
     head_dim / 2, 2] float32, counted twice (building it holds its angles too)."""
     if model.max_batch_size >= batch_size and model.max_seq_length >= length:
         return 0, 0
-    dtype = model.tok_embeddings.weight.dtype
-    size = dtype.itemsize if dtype.is_floating_point else 4
+    size = model.norm.weight.dtype.itemsize  # the cache holds the activations' dtype (model.setup_caches)
     kv = sum(2 * batch_size * layer.attention.n_local_heads * layer.attention.head_dim * length * size
              for layer in model.layers)
     positions = max(length, model.args.block_size)

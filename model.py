@@ -345,9 +345,7 @@ class Transformer(nn.Module):
             return
         if self.tok_embeddings.weight.device.type == "cpu":
             a8_kernels()  # built (once per source) before a graph traces attention, which cannot build it
-        dtype = dtype or self.tok_embeddings.weight.dtype
-        if not dtype.is_floating_point:  # quantized embeddings keep their scales' dtype
-            dtype = torch.float32
+        dtype = dtype or self.norm.weight.dtype  # the activations' (an int8 embedding table is cast to it)
         device = self.tok_embeddings.weight.device
         for layer in self.layers:
             attn = layer.attention
@@ -393,7 +391,7 @@ class Transformer(nn.Module):
             cache_slots = torch.arange(self.max_seq_length, device=idx.device)
             mask = (cache_slots.view(1, 1, 1, -1) <= slots.unsqueeze(1).unsqueeze(-1))  # [B, 1, T, S]
         rope = self.rope_table[input_pos]  # [B, T, head_dim / 2, 2]
-        x = self.tok_embeddings(idx)  # [B, T, dim]
+        x = self.tok_embeddings(idx).to(self.norm.weight.dtype)  # [B, T, dim] (an int8 table gives float32 rows)
         captured = []
         for i, layer in enumerate(self.layers):
             if i in capture:

@@ -5,7 +5,7 @@
 int8: s = max|w| / 127 per row, q = round(w / s). int4, per group of G inputs: s = (max - min) / 15, z = min + 8 * s,
 q = round((w - z) / s) + 8 in [0, 15] (tinygemm's convention). Scales and zeros are rounded to bf16 (all the CPU
 kernels take) before q is computed, so |w - dequantized w| <= s / 2 holds as run. The output layer is int8 in both
-modes; embeddings and norms stay in full precision. int8-a8 / int4-a8 store the same integers and quantize each
+modes, and the embedding table int8 (one row read per token); norms stay in full precision. int8-a8 / int4-a8 store the same integers and quantize each
 linear's input to 8 bits per block of 32 as it runs, multiplying in integers (kernels_a8.cpp). File, kernels and
 layer choices: docs/quantization.md.
 """
@@ -83,6 +83,22 @@ class Int8Linear(nn.Module):
             self.weight = F.pad(self.weight, (0, padded_inputs(self.in_features) - self.in_features)).contiguous()
             self.scales = self.scales.float()
             self.packed_for_cpu = True
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table stored as quantize_int8 stores a linear's weight (int8 rows, one bf16 scale each): a token
+    reads one row, so the table costs a quarter of its float32 bytes in the file and in memory, and a row is
+    dequantized as it is read. A tied output layer is quantized from the same table (the same bytes: the file
+    holds them once)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(num_embeddings, dtype=torch.bfloat16, device=device))
+
+    def forward(self, idx: Tensor) -> Tensor:  # float32 rows [..., dim]: the model casts them to its own dtype
+        return self.weight[idx].float() * self.scales[idx].float().unsqueeze(-1)
 
 
 # ----------------------------------------------------------------------------- int4
@@ -245,11 +261,17 @@ def quantized_layers(model: Transformer, scheme: dict):
 
 def apply_quantization_scheme(model: Transformer, scheme: dict):
     """Swap the model's nn.Linear layers for the quantized modules of `scheme` (empty, on the same device;
-    load_state_dict fills them). The embedding keeps its weight even when the output was tied to it."""
+    load_state_dict fills them), and its embedding table for an Int8Embedding where the scheme says so (files
+    written before it did keep a float table). A tied output layer gets weights of its own."""
     for name, linear, cls, sizes in list(quantized_layers(model, scheme)):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, cls(*sizes, device=linear.weight.device))
+    if scheme.get("embedding") == "int8":
+        table = model.tok_embeddings.weight
+        model.tok_embeddings = Int8Embedding(*table.shape, device=table.device)
+    elif scheme.get("embedding") is not None:
+        raise UserError(f"unknown embedding quantization {scheme['embedding']!r}: quantize.py writes int8")
     return model
 
 
@@ -274,14 +296,21 @@ def pack_for_device(model: nn.Module):
 
 
 def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict:
-    """A full-precision state dict -> the state dict of the quantized model."""
+    """A full-precision state dict -> the state dict of the quantized model. With scheme["embedding"] "int8" the
+    embedding table is int8 too, and a tied output layer is not written: it is the table's own int8 rows and scales
+    (generation.load_model gives it them)."""
     with torch.device("meta"):
         model = Transformer(args)
     out = dict(state_dict)
+    tied = args.tie_word_embeddings and "output.weight" not in state_dict
+    if scheme.get("embedding") == "int8":
+        out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(state_dict["tok_embeddings.weight"])
     for name, linear, cls, _ in list(quantized_layers(model, scheme)):
         key = f"{name}.weight"
-        if key not in state_dict and name == "output" and args.tie_word_embeddings:
-            key = "tok_embeddings.weight"  # tied: the output gets its own quantized copy
+        if name == "output" and tied:
+            if scheme.get("embedding") == "int8":
+                continue
+            key = "tok_embeddings.weight"  # the output gets its own quantized copy
         weight = state_dict[key]
         if issubclass(cls, Int8Linear):
             out[f"{name}.weight"], scales = quantize_int8(weight)
@@ -325,6 +354,7 @@ def quantize_checkpoint(checkpoint_path: Path, mode: str, groupsize=None) -> Pat
         raise UserError(f"--groupsize is for --mode int4 or int4-a8 ({mode} has one scale per output row): drop "
                         f"--groupsize")
     scheme = {"mode": mode} if mode.startswith("int8") else {"mode": mode, "groupsize": groupsize or 128}
+    scheme["embedding"] = "int8"
     args = ModelArgs.from_checkpoint_dir(path.parent)
     state_dict = read_checkpoint(path)
     if isinstance(state_dict.get("quantization"), dict):

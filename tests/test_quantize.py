@@ -18,6 +18,7 @@ import tp
 from helpers import ROOT, write_checkpoint
 from errors import UserError
 from helpers import cli
+from model import ModelArgs
 
 
 def sample_weight(n=48, k=256):
@@ -175,20 +176,48 @@ def test_logits_close_to_full_precision(mode, groupsize, bound, which, target, t
     precision = torch.bfloat16 if which == "bf16" else torch.float32
     reference = generation.load_model(checkpoint)
     model = generation.load_model(quantized_file(checkpoint, mode, groupsize), precision=precision)
-    assert model.quantization == {"mode": mode, **({"groupsize": groupsize} if groupsize else {})}
+    assert model.quantization == {"mode": mode, **({"groupsize": groupsize} if groupsize else {}), "embedding": "int8"}
     w13 = model.layers[0].feed_forward.w13  # w1 and w3 stacked at load time
     assert type(w13) is (quantize.Int8Linear if mode == "int8" else quantize.Int4Linear)
     if mode == "int4":
         assert w13.packed_for_cpu  # load_model put it in the CPU kernel's layout (the fast path)
     assert type(model.output) is quantize.Int8Linear  # the output layer is int8 in both modes
     assert model.model_bytes() < 0.5 * reference.model_bytes()
-    if which == "tied":  # the embedding keeps its full-precision weights; the output has its own int8 copy
-        assert torch.equal(model.tok_embeddings.weight, reference.tok_embeddings.weight)
-        assert model.tok_embeddings.weight.data_ptr() != model.output.weight.data_ptr()
+    table, scales = quantize.quantize_int8(reference.tok_embeddings.weight)  # the table: int8 rows, as a linear's
+    assert torch.equal(model.tok_embeddings.weight, table) and torch.equal(model.tok_embeddings.scales, scales)
+    if which == "tied":  # the output layer is the table's own rows (stored once), in its kernel's layout
+        assert torch.equal(model.output.weight[:, :table.shape[1]], table)
     x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     want, got = logits(reference, x), logits(model, x)
     error = ((got - want).norm() / want.norm()).item()
     assert error < bound, error
+
+
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+def test_the_embedding_table_is_int8_and_a_tied_one_is_stored_once(mode, groupsize, tied_target, tmp_path):
+    """The file holds the embedding table as int8 rows with a scale each (a quarter of its float32 bytes); a tied
+    output layer is not written again; a row looks up exactly its dequantized values. A file written before the
+    table was quantized (no "embedding" in its scheme) still loads, with its float table."""
+    path = quantized_file(tied_target, mode, groupsize)
+    saved = torch.load(path, weights_only=True)
+    assert saved["quantization"]["embedding"] == "int8"
+    assert saved["model"]["tok_embeddings.weight"].dtype == torch.int8
+    assert not any(name.startswith("output.") for name in saved["model"])
+    reference = generation.load_model(tied_target)
+    table, scales = quantize.quantize_int8(reference.tok_embeddings.weight)
+    idx = torch.tensor([[0, 7, 511, 7]])
+    model = generation.load_model(path)
+    assert torch.equal(model.tok_embeddings(idx), quantize.dequantize_int8(table, scales)[idx])
+    args = ModelArgs.from_checkpoint_dir(tied_target.parent)
+    scheme = {"mode": mode, **({"groupsize": groupsize} if groupsize else {})}
+    old = tmp_path / "old" / "model_old.pth"
+    shutil.copytree(tied_target.parent, old.parent)
+    state_dict = torch.load(tied_target, weights_only=True)
+    torch.save({"quantization": scheme, "model": quantize.quantize_state_dict(state_dict, args, scheme)}, old)
+    assert old.stat().st_size > path.stat().st_size
+    loaded = generation.load_model(old)
+    assert type(loaded.tok_embeddings) is torch.nn.Embedding
+    assert torch.equal(loaded.tok_embeddings.weight, reference.tok_embeddings.weight)
 
 
 def heldout_ids(pair, n_tokens=2048):
@@ -283,7 +312,7 @@ def test_a8_schemes_load_generate_and_compile(mode, groupsize, target, tmp_path)
     path = quantized_file(target, mode, groupsize)
     assert path.name == ("model_int8-a8.pth" if mode == "int8-a8" else "model_int4-a8.g32.pth")
     assert torch.load(path, weights_only=True)["quantization"] == {"mode": mode, **({"groupsize": 32} if groupsize
-                                                                                   else {})}
+                                                                                   else {}), "embedding": "int8"}
     model = generation.load_model(path)
     w13, output = model.layers[0].feed_forward.w13, model.output
     assert type(w13) is (quantize.Int8A8Linear if mode == "int8-a8" else quantize.Int4A8Linear)
@@ -349,7 +378,8 @@ def test_cli_writes_the_file_and_errors_are_one_line(draft):
     assert ok.returncode == 0, ok.stderr
     written = draft.with_name("model_int4.g32.pth")
     assert str(written) in ok.stdout
-    assert torch.load(written, weights_only=True)["quantization"] == {"mode": "int4", "groupsize": 32}
+    assert torch.load(written, weights_only=True)["quantization"] == {"mode": "int4", "groupsize": 32,
+                                                                      "embedding": "int8"}
     bad = subprocess.run([sys.executable, "quantize.py", "--checkpoint_path", str(written), "--mode", "int8"],
                          cwd=ROOT, capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [bad.stderr.strip()]
