@@ -1,6 +1,6 @@
 """Compilation: how an engine's graphs are built, kept and loaded. The compile modes and inductor's settings; stored
-AOTInductor graphs (StoredGraph: one per batch, cache batch and cache length, kept beside the checkpoint, keyed and
-signed by artifacts.py) and their child-process load check; the portable kernel cache of graphs compiled in the
+AOTInductor graphs (StoredGraph: kernels only, one per batch and cache batch for every cache length, kept beside the
+checkpoint, keyed and signed by artifacts.py) and their child-process load check; the portable kernel cache of graphs compiled in the
 process (CompileCache); CUDA graph replay of a stored graph's few-token calls (Replayed); the regions' compiled
 block. decode.compile_engine decides which of these a model gets."""
 import dataclasses

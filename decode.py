@@ -181,9 +181,10 @@ def sample_last(model: Transformer, h: Tensor, sampling: Sampling):
 def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_prefill: bool = False,
                    features: tuple = ()) -> Engine:
     """The engine for `model` in compile `mode`.
-    stored (`auto`, `autotune`): one AOTInductor graph of the whole model per batch and cache size, dynamic in the
-    tokens per call, so decode, verification and prefill share it; built once, stored beside the checkpoint
-    (StoredForward), loaded by later runs instead of compiled.
+    stored (`auto`, `autotune`): one AOTInductor graph of the whole model per batch and cache batch, dynamic in the
+    tokens per call and the cache length, so decode, verification and prefill share it; kernels only (it reads the
+    model's own weights); built once, stored beside the checkpoint (StoredForward), loaded by later runs instead of
+    compiled.
     regional: one compiled TransformerBlock runs every layer (weights and cache are graph inputs), shared by all
     models of its shape.
     whole: torch.compile in this process: the one-token decode (static shape [B, 1]), the verification forward (one
