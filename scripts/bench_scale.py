@@ -223,7 +223,10 @@ class Shape:
                 f"bench_scale.make_hf_checkpoint({self.name!r}, {str(self.hf)!r}, {str(self.tokenizer_dir)!r}, "
                 f"{self.seed})"])
         for precision in floats:
-            self.convert_ours(precision) if precision in OURS else self.convert_gguf(precision)
+            if precision in OURS:
+                self.convert_ours(precision)
+            else:
+                self.convert_gguf(precision)
         if self.wide != "fp32":
             shutil.rmtree(self.hf, ignore_errors=True)
         for precision in quantized:
@@ -370,7 +373,8 @@ def ratios(rows: dict) -> list:
         for peer in peers:
             a, b = rows.get(ours), rows.get(peer)
             if a and b and "tokens_per_sec" in a and "tokens_per_sec" in b:
-                out.append({"ours": ours, "llama.cpp": peer, "x_tokens_per_sec": a["tokens_per_sec"] / b["tokens_per_sec"],
+                out.append({"ours": ours, "llama.cpp": peer,
+                            "x_tokens_per_sec": a["tokens_per_sec"] / b["tokens_per_sec"],
                             "x_file": a["file_gb"] / b["file_gb"], "x_peak_rss": a["peak_rss_gb"] / b["peak_rss_gb"]})
     return out
 

@@ -74,7 +74,6 @@ def test_tiny_shape_end_to_end_without_llama_cpp(tmp_path):
         assert row["tokens_per_sec"] > 0 and row["load_s"] > 0 and row["first_build_s"] > 0
         assert 0.05 < row["peak_rss_gb"] < 16 and 0.05 < row["build_rss_gb"] < 16  # the command's own, in GB
         assert row["file_gb"] == pytest.approx(files[precision].stat().st_size / 1e9)
-    assert rows["int4-a8"]["file_gb"] < rows["fp32"]["file_gb"]
     check = result["logits_check"]
     assert check["passed"] and check["relative"] <= 1e-3 and check["positions"] > 8 and check["top1_agree"] > 0.5
     stages = [s["stage"] for s in result["stages"]]
