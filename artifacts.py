@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from errors import write_atomically
+from errors import flush_to_disk, partial_file, write_atomically, write_failure
 
 SAMPLE_BYTES, SAMPLES = 1 << 16, 16  # a weights file's content hash reads this many evenly spaced chunks
+KEY_BYTES = 32
 
 
 def cache_home() -> Path:
@@ -34,17 +35,32 @@ def cache_home() -> Path:
 
 
 def signing_key() -> bytes:
-    """This user's artifact key, created on first use (readable by the user only)."""
+    """This user's artifact key, created on first use (readable by the user only). Written whole or not at all: a
+    key cut short by a full disk would sign with fewer secret bytes; one of another length is made anew."""
     path = cache_home() / "artifact.key"
+    if path.exists() and path.stat().st_size != KEY_BYTES and path.stat().st_uid == os.getuid():
+        path.unlink(missing_ok=True)  # its graphs no longer verify: they are rebuilt
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = partial_file(path)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process made it first
-            pass
-        else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_bytes(32))
+            os.chmod(tmp, 0o600)
+            tmp.write_bytes(secrets.token_bytes(KEY_BYTES))
+            flush_to_disk(tmp)
+            try:
+                os.link(tmp, path)  # never replaces: a key another process made first (and signed with) stays
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links
+                if not path.exists():
+                    os.replace(tmp, path)
+        except BaseException as e:
+            failure = write_failure(e, tmp, path)
+            if failure is e:
+                raise
+            raise failure from e
+        finally:
+            tmp.unlink(missing_ok=True)
     if path.stat().st_uid != os.getuid() or path.stat().st_mode & 0o077:
         raise PermissionError(f"{path} must belong to this user and be readable by it alone (chmod 600)")
     return path.read_bytes()

@@ -5,6 +5,9 @@ process (CompileCache); CUDA graph replay of a stored graph's few-token calls (R
 block. decode.compile_engine decides which of these a model gets."""
 import dataclasses
 import functools
+import hashlib
+import itertools
+import json
 import os
 import shutil
 import sys
@@ -57,21 +60,21 @@ def graph_options(model: Transformer, device: str, mode: str) -> dict:
 
 
 def stored_options(model: Transformer, mode: str, device: str = "cpu") -> dict:
-    """Inductor's settings for a stored graph. CPU: the weights frozen in, with the C++ GEMM templates for float
-    weights (every candidate timed for "stored-autotune"); quantized weights: inductor's own kernels single-threaded
-    (BENCHMARKS.md, "Integer kernels"). CUDA: the kernels' binaries inside the library, so that
-    one file is signed and loaded (its weights are constants in it either way)."""
-    if device.startswith("cuda"):
-        return {"aot_inductor.embed_kernel_binary": True, **({"max_autotune": True} if mode == "stored-autotune"
-                                                             else {})}
-    options = {"freezing": True}
-    dtypes = {t.dtype for t in model.state_dict().values()}
+    """Inductor's settings for a stored graph: kernels only, no weights (`package_constants_in_so` off): the graph
+    reads the module's own tensors, handed to it when it is loaded (StoredGraph.open), so one copy of the weights
+    serves every graph of a process and no file holds another. Nothing is frozen (freezing folds weights into new
+    constants that only the build has); layouts the kernels want are made at load (kernels.use_stored_layout).
+    CPU: quantized weights' products are operators with threads of their own, so inductor's kernels (norms, RoPE,
+    a few tokens) run on one thread (BENCHMARKS.md, "Integer kernels"). CUDA: the kernels' binaries inside the
+    library, so that one file is signed and loaded. "stored-autotune" times every candidate."""
+    options = {"aot_inductor.package_constants_in_so": False}
     if mode == "stored-autotune":
         options["max_autotune"] = True
-    elif dtypes <= {torch.float32, torch.bfloat16}:
-        options.update(CPP_GEMM_OPTIONS)
-    if dtypes & {torch.int8, torch.uint8}:  # every product an operator with threads of its own: inductor's kernels
-        options["cpp.threads"] = 1  # (norms, RoPE, a few tokens) run on one, their fork and barriers cost more
+    if device.startswith("cuda"):
+        return {"aot_inductor.embed_kernel_binary": True, **options}
+    options["freezing"] = False
+    if {t.dtype for t in model.state_dict().values()} & {torch.int8, torch.uint8}:
+        options["cpp.threads"] = 1  # their fork and barriers cost more than the work
     return options
 
 
@@ -242,8 +245,8 @@ class ExportedForward(torch.nn.Module):
 class StoredGraph:
     """A module's forward through stored AOTInductor graphs: one per shape (batch, cache batch, cache length), dynamic
     in the number of tokens T (dim 1 of every input; dim 2 of the mask), built once and kept beside the checkpoint.
-    The graph's KV cache is the module's own tensors (handed to it, not copied), so eager code and every graph see
-    one cache. Graphs are keyed and signed (artifacts.py): a stale or foreign one is refused with one line and
+    A graph holds kernels only: its weights and KV cache are the module's own tensors (handed to it, not copied), so
+    one copy of the weights serves every graph of a process and eager code and every graph see one cache. Graphs are keyed and signed (artifacts.py): a stale or foreign one is refused with one line and
     rebuilt. Where a graph cannot be exported, that shape is compiled in this process instead (one line says so).
     A subclass says what is exported (`exported`, `example`), what keys it (`key_fields`) and what it is called."""
     owner = "model"  # the exported wrapper's attribute holding the module: the prefix of its buffers in the graph
@@ -256,6 +259,18 @@ class StoredGraph:
 
     def exported(self) -> torch.nn.Module:
         raise NotImplementedError
+
+    def constants(self) -> dict:
+        """The module's tensors by the names the graph knows them by (its constants' original names)."""
+        tensors = itertools.chain(self.module.named_parameters(), self.module.named_buffers())
+        return {f"{self.owner}.{name}": t for name, t in tensors}
+
+    def layout(self) -> str:
+        """A digest of the shape, strides and dtype of every tensor the graph reads but the KV cache (keyed by its own
+        field): a graph's kernels are built for the layout they were traced with, and read any other one wrongly."""
+        specs = sorted([name, list(t.shape), list(t.stride()), str(t.dtype)] for name, t in self.constants().items()
+                       if "kv_cache" not in name)
+        return hashlib.sha256(json.dumps(specs).encode()).hexdigest()
 
     def example(self, batch: int, length: int, tokens: int) -> tuple:
         """The graph's arguments for `tokens` tokens: what it is exported with and what a child process runs."""
@@ -278,7 +293,7 @@ class StoredGraph:
             self.graphs[shape] = [*self.load(*shape), None]
         graph = self.graphs[shape]
         if graph[1] is not None and graph[2] is not cache:  # new cache tensors: hand them over
-            graph[1]({name: t for name, t in self.module.named_buffers() if "kv_cache" in name})
+            graph[1]({name: t for name, t in self.constants().items() if "kv_cache" in name})
             graph[2] = cache
         return graph[0](*(a.contiguous() for a in args))
 
@@ -317,7 +332,8 @@ class StoredGraph:
             configure_compiler(self.device)
             table = self.export(self.example(batch, length, 4), length, tmp)
             if self.device.startswith("cuda"):  # the loader crashed on a GPU measured: try it where a crash is harmless
-                loads_in_child(tmp, table, self.device, [self.example(batch, length, t) for t in (1, 4)])
+                loads_in_child(tmp, table, self.device, [self.example(batch, length, t) for t in (1, 4)],
+                               constants=self.constants())
             return table
         try:
             library = with_progress(what, estimate, lambda: artifacts.store(directory, name, key, fields, build))
@@ -353,20 +369,18 @@ class StoredGraph:
         return run, None
 
     def open(self, library: Path):
-        """Load a stored graph (its weights inside it): run(*args) and bind(cache tensors). The library itself:
-        loading the package would unzip it to a temp directory first (BENCHMARKS.md). On CUDA its few-token calls
-        are replayed from CUDA graphs (Replayed)."""
+        """Load a stored graph and hand it the module's weights: run(*args) and bind(KV cache tensors by name). The
+        library itself: loading the package would unzip it to a temp directory first (BENCHMARKS.md). On CUDA its
+        few-token calls are replayed from CUDA graphs (Replayed)."""
         runner = aoti_runner(library, self.device)
-        internal = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
         run = (lambda *args: runner.run(list(args)))
         if self.device.startswith("cuda"):
             run = Replayed(run)
-
-        def bind(buffers: dict):  # use_inactive=False, check_full_update=False, user_managed=True: no copies
-            runner.update_constant_buffer({internal[f"{self.owner}.{n}"]: t for n, t in buffers.items()}, False,
-                                          False, True)
-            if isinstance(run, Replayed):
-                run.reset()  # captured graphs hold the old cache's addresses
+        bind, tensors = binder(runner, run), self.constants()
+        missing = sorted(bind.names - set(tensors))
+        if missing:  # a graph holds no constants of its own: one the module lacks is one it would read as garbage
+            raise RuntimeError(f"the graph reads {missing[0]}, which the module does not hold")
+        bind({name: t for name, t in tensors.items() if "kv_cache" not in name})
         if self.tuple_out:
             return (lambda *args: tuple(run(*args))), bind
         return (lambda *args: run(*args)[0]), bind
@@ -429,7 +443,7 @@ class StoredForward(StoredGraph):
         """Everything that changes the code generated for this model and shape (artifacts.py)."""
         cache = self.model.layers[0].attention.kv_cache.k_cache
         return dict(model_key_fields(self.model, self.device, self.mode),
-                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options,
+                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options, layout=self.layout(),
                     features=list(self.features))
 
     def label(self, batch: int, cache_batch: int, length: int) -> str:
@@ -483,7 +497,7 @@ class StoredHead(StoredGraph):
     def key_fields(self, batch: int, cache_batch: int, length: int) -> dict:
         cache = self.head.attention.kv_cache.k_cache
         return dict(model_key_fields(self.head, self.device, self.mode, TRACED_MODULES + ("drafthead",)),
-                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options)
+                    cache=[batch, cache_batch, length, str(cache.dtype)], options=self.options, layout=self.layout())
 
     def label(self, batch: int, cache_batch: int, length: int) -> str:
         return f"head-b{batch}of{cache_batch}-s{length}"
@@ -501,6 +515,7 @@ def compile_head(head: torch.nn.Module, device: str, mode: str = "auto"):
     if mode == "none":
         head.compiled = None
     elif mode.startswith("stored"):
+        kernels.use_stored_layout(head)
         head.compiled = StoredHead(head, device, mode)
     else:
         configure_compiler(device)
@@ -518,6 +533,20 @@ def example_inputs(batch: int, length: int, device: str, tokens: int = 4):
     return torch.zeros(batch, T, dtype=torch.long, device=device), pos, pos.clone(), mask
 
 
+def binder(runner, run=None):
+    """bind(tensors by original name): hand a loaded graph's runner these tensors as its constants, user-managed (the
+    graph reads them in place: no copy); `run` (Replayed) forgets captured CUDA graphs, which hold old addresses."""
+    internal = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
+
+    def bind(tensors: dict):
+        runner.update_constant_buffer({internal[n]: t for n, t in tensors.items() if n in internal}, False, False,
+                                      True)
+        if isinstance(run, Replayed):
+            run.reset()
+    bind.names, bind.runner = set(internal), runner
+    return bind
+
+
 def aoti_runner(library, device: str):
     """AOTInductor's runner of a stored library on this device."""
     if device.startswith("cuda"):
@@ -525,16 +554,21 @@ def aoti_runner(library, device: str):
     return torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
 
 
-# a child process loads the library and runs it on each saved list of example arguments (a one-token call, a
-# four-token call); exit 0 when all give finite outputs of the right batch and token count
+# a child process loads the library, hands it zeros in the place of each constant (the weights' and cache's shapes,
+# strides and dtypes) and runs it on each saved list of example arguments (a one-token call, a four-token call);
+# exit 0 when all give finite outputs of the right batch and token count
 CHILD_CHECK = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch, compilation, kernels
-library, device, examples = sys.argv[2], sys.argv[3], torch.load(sys.argv[4], weights_only=True)
+library, device, saved = sys.argv[2], sys.argv[3], torch.load(sys.argv[4], weights_only=True)
+examples, constants = saved["examples"], saved["constants"]
 if device == "cpu":
     kernels.a8_kernels()  # the operators a CPU graph may call
 runner = compilation.aoti_runner(library, device)
+zeros = {name: torch.empty_strided(shape, stride, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+         .zero_() for name, (shape, stride, dtype) in constants.items()}
+compilation.binder(runner)(zeros)
 with torch.no_grad():
     for args in examples:
         out = runner.run([a.to(device).contiguous() for a in args])[0]
@@ -542,9 +576,11 @@ with torch.no_grad():
 """
 
 
-def loads_in_child(library, table, device: str, examples: list, timeout: Optional[float] = None):
+def loads_in_child(library, table, device: str, examples: list, timeout: Optional[float] = None,
+                   constants: Optional[dict] = None):
     """Load and run a freshly built graph (its library and operator table's text, or None) in a child process first,
-    on each of `examples` (lists of its arguments):
+    on each of `examples` (lists of its arguments), zeros in the place of `constants` (the tensors it reads, by
+    name: only their shapes, strides and dtypes go to the child):
     AOTInductor's loader crashed (a segmentation fault, which no exception handler catches) on a GPU measured, and
     hung on another (BENCHMARKS.md). Raises LoaderCrashed if the child dies of a signal or has not finished after
     `timeout` seconds (default: a minute, and a second per 100 MB of library: it was just written, so it loads from
@@ -563,7 +599,8 @@ def loads_in_child(library, table, device: str, examples: list, timeout: Optiona
         if table is not None:
             linked.with_suffix(".json").write_text(table)
         arguments = Path(check) / "examples.pt"
-        torch.save([[a.cpu() for a in args] for args in examples], arguments)
+        specs = {name: [list(t.shape), list(t.stride()), str(t.dtype)] for name, t in (constants or {}).items()}
+        torch.save({"examples": [[a.cpu() for a in args] for args in examples], "constants": specs}, arguments)
         try:
             done = subprocess.run([sys.executable, "-c", CHILD_CHECK, str(Path(__file__).resolve().parent),
                                    str(linked), device, str(arguments)],

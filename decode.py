@@ -192,7 +192,9 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     features: the blocks whose inputs a draft head reads; forward_features returns them with the logits (stored: the
     one graph returns both, so plain decoding and verification still share it)."""
     mode = resolve_mode(mode, device, getattr(model, "checkpoint_path", None) is not None)
-    if not mode.startswith("stored"):  # eager products and regions run on the model's weights as they are
+    if mode.startswith("stored"):  # the graphs read the model's own tensors, in the layout their kernels want
+        kernels.use_stored_layout(model)
+    else:  # eager products and regions run on the model's weights as they are
         kernels.use_fast_weight_layout(model)
     features = tuple(features)
     if mode == "none":

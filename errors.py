@@ -1,6 +1,7 @@
 """Errors a user can fix, and the file handling every command shares: one line per mistake, checkpoints read
 without running code, files written whole or not at all. Imports no torch at load time, so that a command can
 import it first and be interrupted with one line while torch loads (interruptible_imports)."""
+import contextlib
 import errno
 import os
 import re
@@ -64,17 +65,61 @@ def run_cli(main, explain=None, finish=None) -> int:
 def expected_failure(e: Exception):
     """The one line for a failure of the machine rather than of the code: a file system error (permission, full
     disk, name too long, not a directory), memory running out, JSON nested too deeply; None for anything else
-    (a bug: its traceback is shown). FASTGEN_TRACEBACK=1 shows the traceback of these too."""
+    (a bug: its traceback is shown). A full disk met by a library that wraps the OSError in its own exception
+    (torch.compile's inductor writing its cache) is one line too. FASTGEN_TRACEBACK=1 shows the traceback of these."""
+    if not (isinstance(e, OSError) and e.errno is not None):
+        e = next((c for c in causes(e) if isinstance(c, OSError) and c.errno in NO_ROOM), e)
     if isinstance(e, OSError) and e.errno is not None:
         where = f": {e.filename}" if e.filename else ""
-        return f"error: {e.strerror or errno.errorcode.get(e.errno, e)}{where}: fix the path or its permissions, or " \
-               f"free some space"
+        fix = WRITE_FIXES.get(e.errno, "fix the path or its permissions, or free some space")
+        return f"error: {e.strerror or errno.errorcode.get(e.errno, e)}{where}: {fix}"
     if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "alloc" in str(e).lower()
                                       and ("memory" in str(e).lower() or "bytes" in str(e).lower())):
         return "error: out of memory: lower batch_size, max_new_tokens or the model's size"
     if isinstance(e, RecursionError):
         return "error: an input nests too deeply to read (a JSON file?): re-download or fix it"
     return None
+
+
+# no room for a file (disk, quota, file size limit): whatever exception carries one of these, it is the reason
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+WRITE_FIXES = {errno.ENOSPC: "free some space or write elsewhere",
+               errno.EDQUOT: "free some of your disk quota or write elsewhere",
+               errno.EFBIG: "raise the file size limit (ulimit -f) or write to another file system",
+               errno.EROFS: "write to another file system",
+               errno.EACCES: "fix its permissions or write elsewhere",
+               errno.EPERM: "fix its permissions or write elsewhere"}
+
+
+def causes(e: BaseException, depth: int = 8) -> list:
+    """The exceptions behind e (its __cause__ or, failing that, __context__), nearest first."""
+    chain = []
+    while len(chain) < depth:
+        e = e.__cause__ or e.__context__
+        if e is None or e in chain:
+            return chain
+        chain.append(e)
+    return chain
+
+
+@contextlib.contextmanager
+def quiet_stderr(unless: str = ""):
+    """Standard error at the file descriptor (where C++ libraries write: torch's c10d log, kineto) sent to /dev/null
+    within the block, for a step whose failure this program reports in its own line; unless FASTGEN_TRACEBACK (or
+    the environment variable `unless`) asks for everything."""
+    if os.environ.get("FASTGEN_TRACEBACK") or (unless and os.environ.get(unless)):
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def flag_names(message: str, flags: dict) -> str:
@@ -142,20 +187,27 @@ def load_weights(model, state_dict: dict, path) -> None:
 def write_atomically(path, write):
     """Create or replace the file `path` so that a half-written file never appears under its name:
     `write(tmp)` fills a temp file beside it (`.NAME.partial-PID`), which is fsynced and renamed over
-    `path`; on any failure (or KeyboardInterrupt) the temp file is removed. A leftover from a killed
+    `path`; on any failure (or KeyboardInterrupt) the temp file is removed, and a failure of the file system (a full
+    disk, whatever layer reports it: write_failure) is an OSError naming `path`. A leftover from a killed
     process (SIGKILL runs no clean-up) carries a dead PID in its name and is removed by the next write."""
     path = Path(path)
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(directory)
-    tmp = partial_file(path)
+    try:
+        tmp = partial_file(path)
+    except OSError as e:  # it names the temp file
+        raise write_failure(e, None, path) from None
     try:
         write(tmp)
         flush_to_disk(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        failure = write_failure(e, tmp, path)
         tmp.unlink(missing_ok=True)
-        raise
+        if failure is e:
+            raise
+        raise failure from e
     flush_to_disk(directory)  # make the rename itself durable
 
 
@@ -163,12 +215,14 @@ def write_files_atomically(directory, writers: dict):
     """Create or replace several files of `directory` as one set (a checkpoint): `writers[name](tmp)` fills a temp
     file for each, as write_atomically does, and only once all are written are they renamed into place, in the
     dict's order (put the file that marks the set complete last). On any failure (KeyboardInterrupt and SIGTERM
-    too) the directory is as it was: temp files removed, replaced files put back, directories made here removed."""
+    too) the directory is as it was: temp files removed, replaced files put back, directories made here removed;
+    a failure of the file system is an OSError naming the file (write_failure)."""
     directory = Path(directory)
     created = [d for d in (directory, *directory.parents) if not d.exists()]  # deepest first
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(directory)
     new, spare, old, placed = {}, [], {}, []
+    name = None
     try:
         for name, write in writers.items():
             new[name] = partial_file(directory / name)
@@ -182,7 +236,8 @@ def write_files_atomically(directory, writers: dict):
         for name in writers:
             placed.append(name)
             os.replace(new[name], directory / name)
-    except BaseException:
+    except BaseException as e:
+        failure = write_failure(e, new.get(name), directory / name) if name is not None else e
         for name in placed:
             (directory / name).unlink(missing_ok=True)
         for name, kept in old.items():
@@ -195,10 +250,52 @@ def write_files_atomically(directory, writers: dict):
                 made.rmdir()
             except OSError:  # not empty: something else wrote there meanwhile
                 break
-        raise
+        if failure is e:
+            raise
+        raise failure from e
     for tmp in spare:
         tmp.unlink(missing_ok=True)
     flush_to_disk(directory)
+
+
+def write_failure(e: BaseException, tmp, path: Path) -> BaseException:
+    """What a failed write of `path` (into its temp file `tmp`) raises: the OSError behind it, naming `path`, where the
+    file system failed; else e itself (an interruption, a bug).
+    Libraries report a full disk in their own words: torch.save's zip writer as a RuntimeError without an errno
+    ("basic_ios::clear: iostream error", then "[enforce fail at inline_container.cc] unexpected pos"), safetensors
+    and tokenizers as "... (os error 28)", torch.save into a Python file and inductor with the OSError as its
+    cause. In that order: an OSError behind e, an `os error N` in its text, else a probe that appends to the temp
+    file while it still fills the disk; the probe gets the real errno back for any cause (a full disk, a quota, the
+    file size limit, an I/O error) instead of guessing it from free space, which a quota or ulimit does not show."""
+    if not isinstance(e, Exception) or isinstance(e, UserError):
+        return e
+    behind = [c for c in (e, *causes(e)) if isinstance(c, OSError) and c.errno is not None]
+    number = re.search(r"\(os error (\d+)\)", str(e))
+    failure = behind[0] if behind else OSError(int(number[1]), os.strerror(int(number[1]))) if number \
+        else probe_write(tmp) if tmp is not None else None
+    if failure is None:
+        return e
+    ours = failure.filename is None or PARTIAL_NAME.fullmatch(Path(str(failure.filename)).name)
+    if failure is e and not ours:
+        return e
+    return OSError(failure.errno, failure.strerror, str(path) if ours else failure.filename)
+
+
+def probe_write(tmp, size: int = 1 << 20):
+    """The OSError that appending `size` bytes to the file tmp meets now, or None if they fit."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError as e:
+        return e
+    block, written = bytes(size), 0
+    try:
+        while written < size:
+            written += os.write(fd, block[written:])  # a short write first, then the error
+    except OSError as e:
+        return e
+    finally:
+        os.close(fd)
+    return None
 
 
 def partial_file(path: Path) -> Path:
@@ -225,7 +322,8 @@ def flush_to_disk(path: Path):
             raise
 
 
-PARTIAL_NAME = re.compile(r"\..+\.partial-(\d+)-\w+(\.pt2)?")  # partial_file's names (+ the AOTInductor package's)
+# partial_file's names (+ the AOTInductor package's, and the profiler's own temp file)
+PARTIAL_NAME = re.compile(r"\..+\.partial-(\d+)-\w+(\.pt2|\.tmp)?")
 
 
 def remove_stale_partials(directory: Path):

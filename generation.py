@@ -27,7 +27,7 @@ from compilation import COMPILE_MODES, compile_head, model_key_fields
 from decode import EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sample, \
     sdpa_context
 from draftmodel import ModelDrafter
-from errors import UserError, check_output_file, load_weights, read_checkpoint, write_output
+from errors import UserError, check_output_file, load_weights, quiet_stderr, read_checkpoint, write_output
 from model import ModelArgs, Transformer
 from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, Speculator, StoredCosts, auto_arms, \
     combine_stats, format_stats, non_finite_logits, same_vocabulary
@@ -668,6 +668,22 @@ def check_engine_settings(compile: str, precision: Optional[str], device: str):
         raise UserError("`device` cuda asked for, but torch sees no CUDA device; use `device` cpu")
 
 
+def export_trace(prof, path: Path):
+    """torch.profiler's chrome trace, written whole or not at all: kineto reports a failed write (a full disk) only
+    on stderr and leaves the file cut short, so a trace that does not parse is a failed write (write_output's one
+    line says why)."""
+    def write(tmp):
+        try:
+            with quiet_stderr():
+                prof.export_chrome_trace(str(tmp))  # kineto fills TMP.tmp, then renames it to TMP
+            json.loads(tmp.read_bytes())
+        except ValueError:
+            raise RuntimeError("the profiler wrote its trace only in part") from None
+        finally:
+            Path(f"{tmp}.tmp").unlink(missing_ok=True)
+    write_output(path, "profile", write)
+
+
 def setup_distributed(device: str, settings: Optional[Settings] = None):
     """Tensor parallelism when launched by torchrun with more than one process (see tp.py): every rank runs
     the same generation on the same tokens from the same seed; only rank 0 prints and writes files. `settings`
@@ -704,23 +720,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
     load_seconds = time.perf_counter() - t0
     model = generator.model
     sampling = Sampling(settings.temperature, settings.top_k, settings.top_p)
-    prompt_ids = generator.encode(settings.prompt, settings.chat, settings.seed)
-    batches = texts = None
-    if settings.prompts_file:
-        texts = read_prompts_file(Path(settings.prompts_file))
-        ids = [generator.encode(text, settings.chat, settings.seed) for text in texts]
-        batches = [ids[i:i + settings.batch_size] for i in range(0, len(ids), settings.batch_size)]
-        prompt_ids = max(ids, key=len)
-    if not prompt_ids or (batches and not all(map(len, ids))):
-        raise UserError("the `prompt` is empty and this tokenizer adds no BOS token: give a prompt with text")
-    try:
-        check_fits(len(prompt_ids), settings.max_new_tokens, model.args.block_size)
-    except UserError as e:
-        if not batches:
-            raise
-        longest = ids.index(prompt_ids) + 1
-        raise UserError(f"`prompts_file` {settings.prompts_file}, its prompt {longest} (the longest; blank lines not "
-                        f"counted): {e}") from None
+    prompt_ids, batches, texts = read_prompts(settings, generator)
     quantization = f" (quantization: {model.quantization['mode']})" if model.quantization else ""
     say(f"Loaded {settings.checkpoint_path} in {load_seconds:.2f} s{quantization}"
         f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
@@ -735,7 +735,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
                                              settings.batch_size, callback)
             sync()
         if profile:
-            write_output(Path(settings.profile), "profile", lambda tmp: prof.export_chrome_trace(str(tmp)))
+            export_trace(prof, Path(settings.profile))
         return rows, stats, time.perf_counter() - t
 
     generator.reserve(settings.batch_size, len(prompt_ids) + settings.max_new_tokens)
@@ -749,16 +749,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
     elif batches:
         samples, stats, rows = run_prompts_file(timed, batches, texts, generator, say)
     else:
-        samples, stats = [], {}
-        for i in range(settings.num_samples):
-            last = i == settings.num_samples - 1
-            new, stats, seconds = timed(prompt_ids, profile=settings.profile is not None and last and rank == 0)
-            samples.append(sample_record(new, seconds, generator.tokenizer))
-            synthetic = is_synthetic(settings.prompt) or settings.chat
-            say((generator.tokenizer.decode(prompt_ids) if synthetic else settings.prompt) + samples[-1]["text"])
-            say(f"\nSample {i + 1}: " + report(samples[-1], model, settings.batch_size))
-            if generator.speculator is not None:
-                say(format_stats(stats))
+        samples, stats = run_samples(timed, settings, generator, prompt_ids, rank, say)
 
     result = summarize(settings, generator, prompt_ids, samples, stats, compile_seconds, world_size)
     if rows is not None:
@@ -769,6 +760,45 @@ def run(settings: Settings, say=print, questions=None) -> dict:
         write_output(Path(settings.stats_json), "stats_json",
                      lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
     return result
+
+
+def read_prompts(settings: Settings, generator: Generator) -> tuple:
+    """The prompt's ids (with a prompts file: its longest prompt's), the prompts file's ids batch_size at a time and
+    its texts (None without one); refused when empty or too long for the model."""
+    prompt_ids = generator.encode(settings.prompt, settings.chat, settings.seed)
+    batches = texts = None
+    if settings.prompts_file:
+        texts = read_prompts_file(Path(settings.prompts_file))
+        ids = [generator.encode(text, settings.chat, settings.seed) for text in texts]
+        batches = [ids[i:i + settings.batch_size] for i in range(0, len(ids), settings.batch_size)]
+        prompt_ids = max(ids, key=len)
+    if not prompt_ids or (batches and not all(map(len, ids))):
+        raise UserError("the `prompt` is empty and this tokenizer adds no BOS token: give a prompt with text")
+    try:
+        check_fits(len(prompt_ids), settings.max_new_tokens, generator.model.args.block_size)
+    except UserError as e:
+        if not batches:
+            raise
+        longest = ids.index(prompt_ids) + 1
+        raise UserError(f"`prompts_file` {settings.prompts_file}, its prompt {longest} (the longest; blank lines not "
+                        f"counted): {e}") from None
+    return prompt_ids, batches, texts
+
+
+def run_samples(timed, settings: Settings, generator: Generator, prompt_ids: list, rank: int, say):
+    """num_samples samples of the prompt, each printed after it (the last one profiled where asked). Returns (timed
+    samples, the last one's stats)."""
+    samples, stats = [], {}
+    for i in range(settings.num_samples):
+        last = i == settings.num_samples - 1
+        new, stats, seconds = timed(prompt_ids, profile=settings.profile is not None and last and rank == 0)
+        samples.append(sample_record(new, seconds, generator.tokenizer))
+        synthetic = is_synthetic(settings.prompt) or settings.chat
+        say((generator.tokenizer.decode(prompt_ids) if synthetic else settings.prompt) + samples[-1]["text"])
+        say(f"\nSample {i + 1}: " + report(samples[-1], generator.model, settings.batch_size))
+        if generator.speculator is not None:
+            say(format_stats(stats))
+    return samples, stats
 
 
 def run_prompts_file(timed, batches: list, texts: list, generator: Generator, say):

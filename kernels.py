@@ -175,11 +175,11 @@ def c_shims() -> dict:
 F32_BLOCK = 64  # outputs per block of pack_f32's layout (kernels_a8.cpp's BLOCK_F32)
 
 
-def native_f32_linear(x: Tensor, weight: Tensor) -> bool:
-    """Whether a stored CPU graph multiplies float32 x and weight with kernels_a8.cpp's f32_linear (AVX-512): one
+def native_f32_linear(weight: Tensor) -> bool:
+    """Whether a float32 CPU weight is multiplied with kernels_a8.cpp's f32_linear (AVX-512) in stored graphs: one
     read of the weights for all of a verification's rows, where inductor's GEMM templates slow down at those widths
-    (BENCHMARKS.md, "Float32 products"). Decided while tracing; the graph's key records it."""
-    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and A8_BUILT \
+    (BENCHMARKS.md, "Float32 products"). The graph's key records it."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and A8_BUILT \
         and f32_linear_allowed() and torch.ops.fastgen.a8_isa() == "avx512_vnni"
 
 
@@ -189,18 +189,36 @@ def f32_linear_allowed() -> bool:
 
 
 def pack_f32(weight: Tensor) -> Tensor:
-    """W [N, K] -> [ceil(N / 64), K, 64]: each block of 64 outputs one contiguous stream (rows past N zero). Plain
-    tensor operations, so that a frozen graph folds them into the stored constant."""
+    """W [N, K] -> [ceil(N / 64), K, 64]: each block of 64 outputs one contiguous stream (rows past N zero)."""
     N, K = weight.shape
     blocks = -(-N // F32_BLOCK)
-    padded = F.pad(weight, (0, 0, 0, blocks * F32_BLOCK - N))
+    padded = F.pad(weight.detach(), (0, 0, 0, blocks * F32_BLOCK - N))
     return padded.view(blocks, F32_BLOCK, K).transpose(1, 2).contiguous()
 
 
-def f32_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [..., K] times weight [N, K] through pack_f32's layout: [..., N]."""
-    y = torch.ops.fastgen.f32_linear(x.reshape(-1, x.shape[-1]).contiguous(), pack_f32(weight), weight.shape[0])
-    return y.view(*x.shape[:-1], weight.shape[0])
+def f32_linear(x: Tensor, blocks: Tensor, N: int) -> Tensor:
+    """x [..., K] times a weight [N, K] in pack_f32's layout: [..., N]."""
+    y = torch.ops.fastgen.f32_linear(x.reshape(-1, x.shape[-1]).contiguous(), blocks, N)
+    return y.view(*x.shape[:-1], N)
+
+
+def use_stored_layout(model: torch.nn.Module):
+    """The weight layout of stored graphs, made once at load: the graphs hold no weights and read the module's own
+    tensors, so a layout they need is a tensor of the module. Float32 CPU linears that f32_linear multiplies
+    (native_f32_linear) get pack_f32's blocks in place of their weight (one copy of the weights in memory; a weight
+    tied to the embeddings stays the embeddings' table); quantized layers already hold their kernels' layout
+    (quantize.pack_for_device); other float32 CPU weights are stored column-major (column_major_is_faster).
+    Deterministic, unlike use_fast_weight_layout's timed choice: the same model and machine get the same layout."""
+    if any(t.device.type == "cpu" for t in model.parameters()):
+        a8_kernels()  # built (once per source) before native_f32_linear reads whether it is
+    for module in model.modules():
+        weight = module.weight if isinstance(module, torch.nn.Linear) else None
+        if weight is None:
+            continue
+        if hasattr(module, "use_blocks") and native_f32_linear(weight):
+            module.use_blocks(pack_f32(weight))
+        elif column_major_is_faster(weight) and weight.stride() != (1, weight.shape[0]):
+            weight.data = weight.data.t().contiguous().t()
 
 
 A8_BUILT = False  # a8_kernels() succeeded: what a graph being traced reads (dynamo would trace a8_kernels' build)

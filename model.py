@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from errors import UserError
-from kernels import a8_kernels, attention, f32_linear, native_f32_linear, pack_weight, packed_linear
+from kernels import a8_kernels, attention, f32_linear, pack_weight, packed_linear
 
 
 LLAMA_FAMILY = ("llama", "mistral")  # the model types whose layers are ours: others differ in norms or attention
@@ -243,12 +243,13 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """nn.Linear (no bias) whose products of several rows (verification, prefill, batches) can run on a copy of
     the weight packed by oneDNN (kernels.use_fast_weight_layout decides per weight shape); one row keeps F.linear.
-    The weight stays the parameter: state dicts, tied weights and sharding see nothing else."""
+    The weight stays the parameter: state dicts, tied weights and sharding see nothing else. For stored graphs
+    (kernels.use_stored_layout) the weight is replaced by pack_f32's blocks, which every product then reads."""
     packed: Optional[Tensor] = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_exporting() and native_f32_linear(x, self.weight):  # a stored CPU graph
-            return f32_linear(x, self.weight)
+        if self.weight is None:  # use_blocks: the blocks are the weight
+            return f32_linear(x, self.blocks, self.out_features)
         # a frozen graph (decode's whole graphs on CPU) multiplies with inductor's own kernels on weights it packs
         # itself, so it traces F.linear (inductor's config is read only once compiling has imported it)
         if self.packed is not None and x.numel() > x.shape[-1] \
@@ -258,6 +259,12 @@ class Linear(nn.Linear):
 
     def pack(self):
         self.packed = pack_weight(self.weight)
+
+    def use_blocks(self, blocks: Tensor):
+        """Multiply with kernels_a8.cpp's f32_linear on `blocks` (kernels.pack_f32 of the weight) from now on; the
+        weight itself is let go (a tied one lives on in the module it is tied to)."""
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.register_parameter("weight", None)
 
 
 class Attention(nn.Module):

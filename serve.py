@@ -11,7 +11,9 @@ first n cache rows, where the decoding rows lie (n: the smallest of DECODE_BATCH
 current token. Padding and idle rows write only a scratch cache slot past every real position, which no real query
 sees, and see only one slot themselves. Each row's token is drawn from its own logits with its own settings
 and torch.Generator. A request alone in the batch (with a drafter configured) decodes through the library's
-speculative loop instead (Scheduler.speculate).
+speculative loop instead (Scheduler.speculate). A cache row keeps the keys and values of its last request when it
+ends (its prompt and answer): a newcomer whose prompt starts with some row's ids starts its prefill after them
+(the prefix cache, Scheduler.place).
 """
 import argparse
 import asyncio
@@ -85,6 +87,7 @@ class Request:
     cut: int = 0  # the answer's first `cut` ids decode to cut_text, whatever follows them (answer_text)
     cut_text: str = ""
     prefilled: int = 0  # prompt tokens in the cache
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache, not computed
     slot: Optional[int] = None
     cancelled: bool = False
     finish_reason: Optional[str] = None
@@ -197,6 +200,14 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.searchsorted(cdf, below, right=True).clamp_max(probs.shape[-1] - 1))
 
 
+def common_prefix(a: list, b: list) -> int:
+    """How many leading ids a and b share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # one comparison in C: the common case of a chat's next turn
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
 # ----------------------------------------------------------------------------- metrics
 
 class Metrics:
@@ -209,6 +220,7 @@ class Metrics:
         self.outcomes = collections.Counter()
         self.tokens = self.prompt_tokens = self.steps = self.rows_stepped = self.prefill_steps = 0
         self.spec_tokens = self.spec_forwards = 0
+        self.prefix_hits = self.prefix_tokens = 0
         self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
         self.recent = collections.deque()  # (time, tokens) of the last WINDOW seconds
@@ -250,6 +262,12 @@ class Metrics:
                   "# HELP fastgen_speculative_tokens_per_forward accepted draft tokens + 1, per target forward",
                   "# TYPE fastgen_speculative_tokens_per_forward gauge",
                   f"fastgen_speculative_tokens_per_forward {self.spec_tokens / max(self.spec_forwards, 1):.4f}",
+                  "# HELP fastgen_prefix_cache_hits_total requests whose prefill started after a cached prefix",
+                  "# TYPE fastgen_prefix_cache_hits_total counter",
+                  f"fastgen_prefix_cache_hits_total {self.prefix_hits}",
+                  "# HELP fastgen_prefix_cache_reused_tokens_total prompt tokens whose keys and values were reused",
+                  "# TYPE fastgen_prefix_cache_reused_tokens_total counter",
+                  f"fastgen_prefix_cache_reused_tokens_total {self.prefix_tokens}",
                   "# TYPE fastgen_batch_slots gauge", f"fastgen_batch_slots {self.slots}",
                   "# TYPE fastgen_batch_rows_active gauge", f"fastgen_batch_rows_active {self.active}",
                   "# HELP fastgen_batch_occupancy mean fraction of the batch's rows decoding per batched step",
@@ -281,7 +299,8 @@ class Scheduler:
     Shapes come from a fixed set ([n, 1] decode for n in decode_batches, [1, w] prefill for w in PREFILL_WIDTHS, the
     speculative loop's own), so compiled graphs are built once, by warm_up()."""
 
-    def __init__(self, generator: Generator, max_batch_size: int, max_queue: int, max_seq_length: int):
+    def __init__(self, generator: Generator, max_batch_size: int, max_queue: int, max_seq_length: int,
+                 prefix_cache: bool = True):
         self.generator, self.engine, self.model = generator, generator.target, generator.model
         self.tokenizer, self.eos = generator.tokenizer, set(generator.eos_ids)
         self.byte_ids = byte_tokens(self.tokenizer)
@@ -295,6 +314,10 @@ class Scheduler:
         self.decode_batches = sorted({b for b in DECODE_BATCHES if b < max_batch_size} | {max_batch_size})
         self.device = generator.device
         self.rows = [None] * max_batch_size
+        # the prefix cache: a free row's entry (the ids whose keys and values its first slots hold, left by the
+        # request that ended there) and when it was last used (a tick), for evicting the least recently used
+        self.prefix_cache = prefix_cache
+        self.kept, self.used, self.clock = [None] * max_batch_size, [0] * max_batch_size, 0
         self.waiting = collections.deque()
         self.wake = threading.Condition()
         self.stopping = False
@@ -351,6 +374,7 @@ class Scheduler:
                 log.exception("a step failed")
                 for r in [r for r in self.rows if r is not None]:
                     self.fail(r, ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error"))
+                self.forget()  # a step that failed part way (a copy between rows) may have left any row's entries
             self.flush()
         ending = ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
         with self.wake:
@@ -373,16 +397,18 @@ class Scheduler:
             self.metrics.outcomes["cancelled"] += 1
         while self.waiting and None in self.rows:
             r = self.waiting.popleft()
-            r.slot = self.rows.index(None)
-            self.rows[r.slot] = r
+            self.place(r)
             self.metrics.prompt_tokens += len(r.prompt_ids)
         self.metrics.queued = len(self.waiting)
         self.metrics.active = sum(r is not None for r in self.rows)
 
     def release(self, r: Request, outcome: str):
+        # its row keeps r's cached ids as an entry of the prefix cache (a failed request's entries may be broken)
+        keep = self.prefix_cache and outcome != "error"
+        self.kept[r.slot], self.used[r.slot] = (self.entry(r.slot) or None) if keep else None, self.tick()
         self.rows[r.slot] = None
         self.metrics.active = sum(r is not None for r in self.rows)
-        r.finished_at = time.perf_counter()
+        r.finished_at = time.perf_counter()  # last: warm_up waits for it
         self.metrics.outcomes[outcome] += 1
         if outcome in ("stop", "length"):
             r.push(("done", r.finish_reason))
@@ -409,6 +435,68 @@ class Scheduler:
             self.release(r, r.finish_reason)
         return finished
 
+    # --- the prefix cache (docs/serve.md, "Prefix cache")
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def entry(self, row: int) -> list:
+        """The ids whose keys and values cache row `row` holds in its first slots, at their own positions: its
+        request's cached ids, or the entry the last request there left."""
+        r = self.rows[row]
+        return (r.prompt_ids + r.tokens)[:self.cached(r)] if r is not None else (self.kept[row] or [])
+
+    def longest_prefix(self, ids: list, skip: Optional[int] = None) -> tuple:
+        """(row, n): the row (other than `skip`) holding the longest prefix of ids, and n, its length, at most all
+        of ids but the last (whose logits give the first answer token, so it is always computed); (None, 0) if no
+        row holds one. A scan of the B rows, not a tree: each row holds one sequence of its own (module doc)."""
+        best, n = None, 0
+        if self.prefix_cache:
+            for row in range(self.batch):
+                if row != skip:
+                    m = min(common_prefix(ids, self.entry(row)), len(ids) - 1)
+                    if m > n:
+                        best, n = row, m
+        return best, n
+
+    def place(self, r: Request):
+        """A free row for r (called holding self.wake), holding the longest prefix of r's prompt any row has: the
+        row of that entry itself when r's prompt extends the whole of it; else a free row with no entry (lowest
+        first), else the least recently used (its entry evicted), the prefix copied in. r's prefill starts after
+        it."""
+        source, n = self.longest_prefix(r.prompt_ids)
+        if source is not None and self.rows[source] is None and n == len(self.kept[source]):
+            row = source
+        else:
+            row = min((i for i, q in enumerate(self.rows) if q is None),
+                      key=lambda i: (self.kept[i] is not None, self.used[i], i))
+        if n and row != source:
+            self.copy_cache(source, row, n)
+        if source is not None:
+            self.used[source] = self.tick()
+        self.kept[row] = None  # r's now (its first n slots are r's prefix)
+        r.slot, r.prefilled, r.cached_tokens = row, n, n
+        self.rows[row] = r
+
+    def reuse_more(self, r: Request):
+        """At r's first prefill chunk (r in row 0): a longer prefix of r's prompt than r got when it was placed, if
+        another row holds one by now (the request ahead of it, which shares its system prompt, has prefilled since:
+        requests that arrive together share it too). Counts r's reuse in the metrics."""
+        source, n = self.longest_prefix(r.prompt_ids, skip=0)
+        if n > r.prefilled:
+            self.copy_cache(source, 0, n)
+            self.used[source] = self.tick()
+            r.prefilled = r.cached_tokens = n
+        if r.cached_tokens:
+            self.metrics.prefix_hits += 1
+            self.metrics.prefix_tokens += r.cached_tokens
+
+    def forget(self):
+        """Drop every prefix-cache entry (after warm-up; after a failed step)."""
+        with self.wake:
+            self.kept = [None] * self.batch
+
     @torch.no_grad()
     def step(self):
         """One prefill forward of one prompt chunk (if a row is prefilling), then one decode forward over all B rows
@@ -427,39 +515,55 @@ class Scheduler:
         """r's entries in the cache: its first cached(r) slots."""
         return r.position if self.decoding(r) else r.prefilled
 
-    def move(self, r: Request, row: int):
-        """r to cache row `row` with its cache entries (a copy), and that row's request, which has none yet (idle,
-        or not prefilled), to r's row."""
-        other = self.rows[row]
-        assert other is None or self.cached(other) == 0, "a move would overwrite cache entries"
-        self.copy_cache(r.slot, row, self.cached(r))
+    def held(self, row: int) -> int:
+        """How many of cache row `row`'s first slots hold keys and values someone needs: its request's cached
+        ones, or its prefix-cache entry."""
+        r = self.rows[row]
+        return self.cached(r) if r is not None else len(self.kept[row] or ())
+
+    def swap(self, a: int, b: int):
+        """Cache rows a and b trade what they hold: each one's request or prefix-cache entry moves to the other
+        row with its cache entries (a copy of both rows' held slots)."""
+        if a == b:
+            return
+        na, nb = self.held(a), self.held(b)
+        if not nb:
+            self.copy_cache(a, b, na)
+        elif not na:
+            self.copy_cache(b, a, nb)
+        else:
+            for layer in self.model.layers:
+                cache = layer.attention.kv_cache
+                for c in (cache.k_cache, cache.v_cache):
+                    saved = c[a, :, :na].clone()
+                    c[a, :, :nb] = c[b, :, :nb]
+                    c[b, :, :na] = saved
         with self.wake:
-            self.rows[row], self.rows[r.slot] = r, other
-            if other is not None:
-                other.slot = r.slot
-            r.slot = row
+            self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+            self.kept[a], self.kept[b] = self.kept[b], self.kept[a]
+            self.used[a], self.used[b] = self.used[b], self.used[a]
+            for row in (a, b):
+                if self.rows[row] is not None:
+                    self.rows[row].slot = row
 
     def to_row_0(self, r: Request):
-        """Move r to cache row 0, and row 0's request (if any) with its cache entries to r's row. A row-0 request
-        in the middle of its prompt is never moved (prefill picks it first), so r's own row holds nothing yet."""
-        if r.slot == 0:
-            return
-        if self.rows[0] is None:
-            self.move(r, 0)
-        else:
-            self.move(self.rows[0], r.slot)
+        """r to cache row 0 (prefill's row), and what row 0 held (a request, an entry) with its cache entries to
+        r's row. A row-0 request in the middle of its prompt is never moved: prefill picks it first."""
+        self.swap(r.slot, 0)
 
     def compact(self) -> tuple:
         """(the decoding requests, the decode batch n): n is the smallest of decode_batches that holds them, beside
         a request in the middle of its prompt in row 0 (the next chunk is prefilled there, so it stays); a decoding
         request in row n or beyond moves into a lower row that holds no cache entries. Requests move only when the
-        count of rows falls below a smaller batch (a copy of their cached slots, once), never to fill a gap."""
+        count of rows falls below a smaller batch (a copy of their cached slots, once), never to fill a gap. What the
+        lower row held (a request waiting for its prefill, a prefix-cache entry) moves up in exchange; rows holding
+        the fewest entries are taken first."""
         live = [r for r in self.rows if self.decoding(r)]
         pinned = int(self.rows[0] is not None and not self.decoding(self.rows[0]))
         size = next(b for b in self.decode_batches if b >= len(live) + pinned)
-        free = [i for i in range(pinned, size) if not self.decoding(self.rows[i])]
+        free = sorted((i for i in range(pinned, size) if not self.decoding(self.rows[i])), key=self.held)
         for r in [r for r in live if r.slot >= size]:
-            self.move(r, free.pop(0))
+            self.swap(r.slot, free.pop(0))
         return live, size
 
     def mask(self, pos: torch.Tensor, padding_sees: int) -> torch.Tensor:
@@ -483,6 +587,8 @@ class Scheduler:
         """The next chunk of r's prompt through a [1, chunk] forward on cache row 0: prefill computes only the row
         that needs it (a [B, chunk] forward would compute every row's padding); at its end, r's first token."""
         self.to_row_0(r)
+        if r.prefilled == r.cached_tokens:  # r's first chunk
+            self.reuse_more(r)
         piece = r.prompt_ids[r.prefilled:r.prefilled + self.chunk]
         # a stored graph takes any token count: no padding to compute (other modes compile one graph per width)
         exact = self.engine.mode.startswith("stored")
@@ -541,8 +647,7 @@ class Scheduler:
     def speculate(self, r: Request):
         """Decode the lone request r with the library's speculator, which runs on cache row 0 (r moves there
         first) until r finishes or someone else waits; then batched decoding takes over from the cache it left."""
-        if r.slot != 0:
-            self.move(r, 0)  # the context's keys/values, once (row 0 is idle: r is alone)
+        self.swap(r.slot, 0)  # the context's keys/values, once (row 0 has no request: r is alone)
         forwards = [0]
 
         def counted(fn):
@@ -590,7 +695,17 @@ class Scheduler:
 
     def warm_up(self):
         """Requests that run every shape the server uses (each prefill width, each decode batch, a speculative run),
-        so that compilation happens before /health says ready."""
+        so that compilation happens before /health says ready. The prefix cache is off meanwhile (each prompt
+        must fill its width) and empty after."""
+        enabled, self.prefix_cache = self.prefix_cache, False
+        try:
+            self.run_warm_up()
+        finally:
+            self.prefix_cache = enabled
+            self.forget()
+        self.metrics = Metrics(self.batch)  # the figures count real requests only
+
+    def run_warm_up(self):
         prompt = self.tokenizer.encode_prompt("Hello, my name is")[: max(1, self.context // 4)]
         n = min(12, self.context - len(prompt))
         # B requests at once: one is prefilled per step, so the decoding rows grow 1, 2, ..., B (every decode batch)
@@ -606,12 +721,11 @@ class Scheduler:
                     raise RuntimeError("the server is shutting down")
                 self.waiting.extend(requests)
                 self.wake.notify()
-            while any(r.finish_reason is None and r.error is None for r in requests):
+            while any(r.finished_at is None and r.error is None for r in requests):  # released, not just done
                 time.sleep(0.01)
             failed = next((r.error for r in requests if r.error is not None), None)
             if failed is not None:
                 raise RuntimeError(f"warm-up failed: {failed.message}")
-        self.metrics = Metrics(self.batch)  # the figures count real requests only
 
 
 # ----------------------------------------------------------------------------- checking a request
@@ -810,14 +924,11 @@ class Mailbox:
 
 
 def create_app(service: Service):
+    """The routes: each a named handler; the completion endpoints share `complete`."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.requests import Request as HTTPRequest
-    from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
     from starlette.routing import Route
-
-    def error_response(e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
 
     async def health(request):
         if service.ready:
@@ -837,95 +948,18 @@ def create_app(service: Service):
     async def page(request):
         return FileResponse(STATIC / "chat.html", media_type="text/html")
 
-    async def complete(request: HTTPRequest, chat: bool):
-        service.check_key(request)
-        service.check_ready()
-        try:
-            body = json.loads(await read_body(request))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
-        except RecursionError:
-            raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
-        model = body.get("model")
-        if model is not None and model != service.model_name:
-            raise ApiError(400, f"`model` {json.dumps(model)[:80]} is not served here: use {service.model_name!r} "
-                           f"(GET /v1/models)", "model", "model_not_found")
-        settings = read_settings(body, chat)
-        scheduler = service.scheduler
-        if chat:
-            messages, param = read_messages(body), "messages"
-            try:
-                prompt_ids = scheduler.tokenizer.chat_ids(messages)
-            except UserError as e:
-                raise ApiError(400, f"`messages`: {e}", "messages", "invalid_value") from None
-        else:
-            prompt, param = body.get("prompt"), "prompt"
-            if prompt is None:
-                raise ApiError(400, "`prompt` is required: a string", "prompt", "missing_required_parameter")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise ApiError(400, "`prompt` must be a string", "prompt", "invalid_value")
-            prompt_ids = scheduler.tokenizer.encode_prompt(check_text(prompt, "prompt"))
-        context = scheduler.context
-        if not prompt_ids or len(prompt_ids) >= context:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server's context is {context} tokens "
-                           f"(prompt + completion): shorten `{param}`", param, "context_length_exceeded")
-        max_tokens = settings["max_tokens"]
-        if max_tokens is None:
-            max_tokens = context - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > context:
-            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + `max_tokens` ({max_tokens}) exceeds this "
-                           f"server's context of {context} tokens: lower `max_tokens` to at most "
-                           f"{context - len(prompt_ids)}", "max_tokens", "context_length_exceeded")
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        mailbox = next((m for m in scheduler.mailboxes if m.loop is loop), None)
-        if mailbox is None:  # this event loop's first request (one loop serves the app; tests run several)
-            mailbox = Mailbox(loop)
-            scheduler.mailboxes = [m for m in scheduler.mailboxes if not m.loop.is_closed()] + [mailbox]
-        r = Request(prompt_ids, max_tokens, Sampling(settings["temperature"], settings["top_k"], settings["top_p"]),
-                    settings["seed"], settings["stop"], functools.partial(mailbox.post, events))
-        scheduler.submit(r)
-        watcher = asyncio.create_task(watch_disconnect(request, r, scheduler, events))
-        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
-                "model": service.model_name}
-        if settings["stream"]:
-            return StreamingResponse(stream(r, events, watcher, scheduler, meta, chat, settings["include_usage"]),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            text, finish = "", None
-            while finish is None:
-                kind, value = await events.get()
-                if kind == "text":
-                    text += value
-                elif kind == "done":
-                    finish = value
-                elif kind == "error":
-                    raise value
-                else:  # the client went away
-                    return JSONResponse({}, status_code=499)
-        finally:
-            watcher.cancel()
-            scheduler.cancel(r)
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return JSONResponse(dict(meta, object="chat.completion" if chat else "text_completion", choices=[choice],
-                                 usage=usage(r), fastgen=r.stats()))
-
     async def chat_completions(request):
-        return await complete(request, chat=True)
+        return await complete(service, request, chat=True)
 
     async def completions(request):
-        return await complete(request, chat=False)
+        return await complete(service, request, chat=False)
 
     async def api_error(request, e: ApiError):
-        return error_response(e)
+        return JSONResponse(e.body(), status_code=e.status)
 
     async def http_error(request, e: HTTPException):
-        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                                       code="not_found" if e.status_code == 404 else None))
+        return await api_error(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                                 code="not_found" if e.status_code == 404 else None))
 
     app = Starlette(routes=[
         Route("/", page), Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
@@ -934,6 +968,119 @@ def create_app(service: Service):
     ], exception_handlers={ApiError: api_error, HTTPException: http_error})
     app.state.service = service
     return app
+
+
+async def complete(service: Service, request, chat: bool):
+    """POST /v1/chat/completions (chat) or /v1/completions: the request read and checked, queued, then answered
+    whole or streamed."""
+    service.check_key(request)
+    service.check_ready()
+    body = await read_json(request)
+    check_model(body, service.model_name)
+    settings = read_settings(body, chat)
+    scheduler = service.scheduler
+    prompt_ids, param = read_prompt(body, chat, scheduler.tokenizer)
+    max_tokens = fit_context(prompt_ids, settings["max_tokens"], scheduler.context, param)
+    events = asyncio.Queue()
+    r = Request(prompt_ids, max_tokens, Sampling(settings["temperature"], settings["top_k"], settings["top_p"]),
+                settings["seed"], settings["stop"], functools.partial(mailbox_of(scheduler).post, events))
+    scheduler.submit(r)
+    watcher = asyncio.create_task(watch_disconnect(request, r, scheduler, events))
+    meta = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
+            "model": service.model_name}
+    if settings["stream"]:
+        from starlette.responses import StreamingResponse
+        return StreamingResponse(stream(r, events, watcher, scheduler, meta, chat, settings["include_usage"]),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await answer_whole(r, events, watcher, scheduler, meta, chat)
+
+
+async def read_json(request) -> dict:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(await read_body(request))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def check_model(body: dict, model_name: str):
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(400, f"`model` {json.dumps(model)[:80]} is not served here: use {model_name!r} "
+                       f"(GET /v1/models)", "model", "model_not_found")
+
+
+def read_prompt(body: dict, chat: bool, tokenizer) -> tuple:
+    """The prompt's token ids (a chat's through the chat template) and the name of the field they came from."""
+    if chat:
+        messages = read_messages(body)
+        try:
+            return tokenizer.chat_ids(messages), "messages"
+        except UserError as e:
+            raise ApiError(400, f"`messages`: {e}", "messages", "invalid_value") from None
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "`prompt` is required: a string", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(400, "`prompt` must be a string", "prompt", "invalid_value")
+    return tokenizer.encode_prompt(check_text(prompt, "prompt")), "prompt"
+
+
+def fit_context(prompt_ids: list, max_tokens: Optional[int], context: int, param: str) -> int:
+    """The request's `max_tokens` (by default, the rest of the context), refused when prompt + completion do not
+    fit the context."""
+    if not prompt_ids or len(prompt_ids) >= context:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server's context is {context} tokens "
+                       f"(prompt + completion): shorten `{param}`", param, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = context - len(prompt_ids)
+    if len(prompt_ids) + max_tokens > context:
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + `max_tokens` ({max_tokens}) exceeds this "
+                       f"server's context of {context} tokens: lower `max_tokens` to at most "
+                       f"{context - len(prompt_ids)}", "max_tokens", "context_length_exceeded")
+    return max_tokens
+
+
+def mailbox_of(scheduler: Scheduler) -> Mailbox:
+    """The mailbox of the running event loop, made on its first request (one loop serves the app; tests run
+    several)."""
+    loop = asyncio.get_running_loop()
+    mailbox = next((m for m in scheduler.mailboxes if m.loop is loop), None)
+    if mailbox is None:
+        mailbox = Mailbox(loop)
+        scheduler.mailboxes = [m for m in scheduler.mailboxes if not m.loop.is_closed()] + [mailbox]
+    return mailbox
+
+
+async def answer_whole(r: Request, events: asyncio.Queue, watcher, scheduler: Scheduler, meta: dict, chat: bool):
+    """The whole answer in one response once r is done (499 if the client went away first)."""
+    from starlette.responses import JSONResponse
+    try:
+        text, finish = "", None
+        while finish is None:
+            kind, value = await events.get()
+            if kind == "text":
+                text += value
+            elif kind == "done":
+                finish = value
+            elif kind == "error":
+                raise value
+            else:  # the client went away
+                return JSONResponse({}, status_code=499)
+    finally:
+        watcher.cancel()
+        scheduler.cancel(r)
+    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+    return JSONResponse(dict(meta, object="chat.completion" if chat else "text_completion", choices=[choice],
+                             usage=usage(r), fastgen=r.stats()))
 
 
 async def read_body(request) -> bytes:
@@ -977,7 +1124,8 @@ async def watch_disconnect(request, r: Request, scheduler: Scheduler, events: as
 
 def usage(r: Request) -> dict:
     return {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.tokens),
-            "total_tokens": len(r.prompt_ids) + len(r.tokens)}
+            "total_tokens": len(r.prompt_ids) + len(r.tokens),
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
 
 async def stream(r: Request, events: asyncio.Queue, watcher, scheduler: Scheduler, meta: dict, chat: bool,
@@ -1035,6 +1183,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_seq_length", type=int, default=None,
                    help="tokens per request, prompt + completion (default: the model's context, at most 4096); "
                         "every decode step attends over this many cache slots, so size it to your requests")
+    p.add_argument("--no_prefix_cache", action="store_true",
+                   help="compute every prompt whole: no reuse of the keys and values of an earlier request's prefix")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api_key", default=None, help="require `Authorization: Bearer KEY`")
@@ -1051,7 +1201,8 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
     generator = Generator.build(args.checkpoint_path, args.device, precision, args.draft_checkpoint_path,
                                 Speculation(depth, nodes, args.draft_ngram), args.compile, draft_head=args.draft_head)
     block = generator.model.args.block_size
-    return Scheduler(generator, args.max_batch_size, args.max_queue, min(args.max_seq_length or 4096, block))
+    return Scheduler(generator, args.max_batch_size, args.max_queue, min(args.max_seq_length or 4096, block),
+                     not args.no_prefix_cache)
 
 
 def check_args(args: argparse.Namespace):

@@ -555,108 +555,146 @@ class Speculator:
         drafter, batch, auto = self.drafter, len(prompts), self.auto
         assert callback is None or batch == 1, "streaming is for one row"
         stats = Stats(drafter.depth, drafter.tree_nodes)
-        eos = set(eos_ids)
-        pos = [len(p) for p in prompts]  # each row's slot of its current token (last accepted, not yet cached)
-        outs = [[t] for t in first.tolist()]
+        rows = Rows(prompts, [[t] for t in first.tolist()], max_new_tokens, set(eos_ids), stop_at_eos)
         if callback:
             callback(first)
-
-        def finished(out):
-            return len(out) >= max_new_tokens or (stop_at_eos and out[-1] in eos)
-
-        def taken(out, new):
-            """How many of a row's new tokens it keeps: up to its end (the length, or EOS where it stops there)."""
-            return next((i + 1 for i, t in enumerate(new)
-                         if len(out) + i + 1 >= max_new_tokens or (stop_at_eos and t in eos)), len(new))
-
-        live = [not finished(out) for out in outs]
-        contexts = [p + out for p, out in zip(prompts, outs)]  # a finished row's stays as it was: it idles
-        if any(live):
+        if any(rows.live):
             stats.draft_forwards += drafter.start(prompts, target.model.max_seq_length, features)
-        if auto and any(live) and (batch, 1) not in auto.verify_seconds:
-            auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, contexts, pos, sampling,
+        if auto and any(rows.live) and (batch, 1) not in auto.verify_seconds:
+            auto.timed(auto.verify_seconds, (batch, 1), plain_step_seconds(target, rows.contexts, rows.pos, sampling,
                                                                            bool(self.features)), warm=True)
         after_plain = True  # (the first draft reads the prompt: a cost of switching too)
-        while any(live):
+        while any(rows.live):
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
-            streamed = False
-            if arm is None and all(live):
-                # plain steps, as many as the choice takes in a row, through plain decoding's own loop (no host
-                # work between tokens); the drafter hears of each as of a plain step (a draft model catches up later,
-                # a head reads the features each step gave)
-                steps = auto.plain_run(min(max_new_tokens - len(out) for out in outs))
-                last = torch.tensor([c[-1] for c in contexts], device=first.device)
-                if self.features:
-                    made, hidden = run_plain_steps(target, last, pos, steps, sampling, True)
-                else:
-                    made, hidden = decode_n_tokens(target, last, pos, steps, sampling, eos_ids, stop_at_eos,
-                                                   callback), None
-                streamed, steps = callback is not None and not self.features, len(made)
-                made = torch.stack(made, 1).tolist()  # [B, steps]
-                kept = [taken(out, row) for out, row in zip(outs, made)]  # the drafter hears of a row's tokens
-                for i in range(steps):
-                    trees = [Tree.rooted_at(c[-1] if i == 0 else row[i - 1]) for c, row in zip(contexts, made)]
-                    drafter.accepted([[] if i < kept[b] else None for b in range(batch)], trees, pos,
-                                     None if hidden is None else hidden[i])
-                drafted, paths = started, []
-                stats.plain_steps += steps
-                stats.target_forwards += steps
-                news = made
-            elif arm is None:  # a plain step: the root alone (an empty accepted path), at plain decoding's cost
-                trees, drafted, paths, steps = [Tree.rooted_at(c[-1]) for c in contexts], started, [], 1
-                stats.plain_steps += 1
-                tokens, hidden = plain_step(target, contexts, pos, sampling, bool(self.features))
-                drafter.accepted([[] if row_live else None for row_live in live], trees, pos, hidden)
-                stats.target_forwards += 1
-                news = [[token] if row_live else None for token, row_live in zip(tokens, live)]
+            if arm is None and all(rows.live):
+                step = self.plain_run(target, rows, sampling, eos_ids, callback, stats, started, first.device)
+            elif arm is None:
+                step = self.one_plain_step(target, rows, sampling, stats, started)
             else:
-                trees, forwards = drafter.draft([c[-1] for c in contexts], pos, arm[0], contexts, sampling,
-                                                **({"nodes": arm[1]} if auto else {}))
-                if auto:  # the draft's own seconds (on CUDA, a sync; otherwise draft and verification queue)
-                    synchronize(target.model)
-                drafted = time.perf_counter()
-                caught_up = getattr(drafter, "caught_up", 0.0)
-                if after_plain and caught_up > started:  # reading the plain steps' tokens is the cost of switching,
-                    started = caught_up                    # not of this arm: not priced in it
-                results = verify_step(target, [tree.pad_to(arm[1] + 1) for tree in trees], pos, sampling, live,
-                                      bool(self.features))
-                results, hidden = results if self.features else (results, None)
-                paths = [result[0] if result else None for result in results]
-                drafter.accepted(paths, trees, pos, hidden)
-                steps = 1
-                stats.draft_forwards += forwards
-                stats.target_forwards += 1
-                news = []
-                for b, result in enumerate(results):
-                    if result is None:
-                        news.append(None)
-                        continue
-                    path, next_token = result
-                    stats.accept_counts[len(path)] += 1
-                    stats.drafted += arm[0]
-                    news.append([trees[b].tokens[node] for node in path] + [next_token])
+                step = self.speculative_step(target, rows, arm, sampling, stats, started, after_plain)
             after_plain = arm is None
-            for b, new in enumerate(news):
-                if new is None or not live[b]:
-                    continue
-                new = new[:taken(outs[b], new)]
-                outs[b] += new
-                if callback and not streamed:
-                    for t in new:
-                        callback(torch.tensor([t]))
-                if finished(outs[b]):
-                    live[b] = False
-                else:
-                    pos[b] += len(new)
-                    contexts[b] += new
+            rows.extend(step.news, None if step.streamed else callback)
             if auto:  # the whole step, its bookkeeping included: what a step of this arm costs
                 synchronize(target.model)
-                auto.observe(arm, trees, paths, drafted - started, time.perf_counter() - drafted, batch, steps=steps)
-        drafter.finish(outs)
+                auto.observe(arm, step.trees, step.paths, step.drafted - step.started,
+                             time.perf_counter() - step.drafted, batch, steps=step.steps)
+        drafter.finish(rows.outs)
         if auto:
             auto.finished()
-        return outs, stats.summary()
+        return rows.outs, stats.summary()
+
+    def plain_run(self, target: Engine, rows: "Rows", sampling: Sampling, eos_ids: list, callback, stats: Stats,
+                  started: float, device) -> "Step":
+        """Plain steps, as many as the choice takes in a row, through plain decoding's own loop (no host work
+        between tokens); the drafter hears of each as of a plain step (a draft model catches up later, a head reads
+        the features each step gave)."""
+        steps = self.auto.plain_run(min(rows.max_new_tokens - len(out) for out in rows.outs))
+        last = torch.tensor([c[-1] for c in rows.contexts], device=device)
+        if self.features:
+            made, hidden = run_plain_steps(target, last, rows.pos, steps, sampling, True)
+        else:
+            made, hidden = decode_n_tokens(target, last, rows.pos, steps, sampling, eos_ids, rows.stop_at_eos,
+                                           callback), None
+        steps = len(made)
+        made = torch.stack(made, 1).tolist()  # [B, steps]
+        kept = [rows.taken(out, row) for out, row in zip(rows.outs, made)]  # the drafter hears of a row's tokens
+        for i in range(steps):
+            trees = [Tree.rooted_at(c[-1] if i == 0 else row[i - 1]) for c, row in zip(rows.contexts, made)]
+            self.drafter.accepted([[] if i < kept[b] else None for b in range(len(made))], trees, rows.pos,
+                                  None if hidden is None else hidden[i])
+        stats.plain_steps += steps
+        stats.target_forwards += steps
+        return Step(made, trees, [], steps, started, started,
+                    streamed=callback is not None and not self.features)
+
+    def one_plain_step(self, target: Engine, rows: "Rows", sampling: Sampling, stats: Stats, started: float) -> "Step":
+        """A plain step: the root alone (an empty accepted path), at plain decoding's cost."""
+        trees = [Tree.rooted_at(c[-1]) for c in rows.contexts]
+        stats.plain_steps += 1
+        tokens, hidden = plain_step(target, rows.contexts, rows.pos, sampling, bool(self.features))
+        self.drafter.accepted([[] if row_live else None for row_live in rows.live], trees, rows.pos, hidden)
+        stats.target_forwards += 1
+        return Step([[token] if row_live else None for token, row_live in zip(tokens, rows.live)], trees, [], 1,
+                    started, started)
+
+    def speculative_step(self, target: Engine, rows: "Rows", arm: tuple, sampling: Sampling, stats: Stats,
+                         started: float, after_plain: bool) -> "Step":
+        """Draft a tree per row (`arm`: depth, nodes), verify them all in one target forward, accept a path per row
+        and tell the drafter."""
+        drafter = self.drafter
+        trees, forwards = drafter.draft([c[-1] for c in rows.contexts], rows.pos, arm[0], rows.contexts, sampling,
+                                        **({"nodes": arm[1]} if self.auto else {}))
+        if self.auto:  # the draft's own seconds (on CUDA, a sync; otherwise draft and verification queue)
+            synchronize(target.model)
+        drafted = time.perf_counter()
+        caught_up = getattr(drafter, "caught_up", 0.0)
+        if after_plain and caught_up > started:  # reading the plain steps' tokens is the cost of switching,
+            started = caught_up                    # not of this arm: not priced in it
+        results = verify_step(target, [tree.pad_to(arm[1] + 1) for tree in trees], rows.pos, sampling, rows.live,
+                              bool(self.features))
+        results, hidden = results if self.features else (results, None)
+        paths = [result[0] if result else None for result in results]
+        drafter.accepted(paths, trees, rows.pos, hidden)
+        stats.draft_forwards += forwards
+        stats.target_forwards += 1
+        news = []
+        for b, result in enumerate(results):
+            if result is None:
+                news.append(None)
+                continue
+            path, next_token = result
+            stats.accept_counts[len(path)] += 1
+            stats.drafted += arm[0]
+            news.append([trees[b].tokens[node] for node in path] + [next_token])
+        return Step(news, trees, paths, 1, started, drafted)
+
+
+@dataclass
+class Step:
+    """What one step of the loop decided, for the rows' bookkeeping and the choice's timing."""
+    news: list  # each row's new tokens (None: nothing for that row)
+    trees: list  # the trees verified (roots alone for plain steps)
+    paths: list  # the accepted paths (empty for plain steps)
+    steps: int  # target forwards taken
+    started: float  # when the step's own work began (perf_counter)
+    drafted: float  # when its draft was ready
+    streamed: bool = False  # its tokens already went to the callback
+
+
+class Rows:
+    """Each row's state in the speculative loop: its new tokens, the slot of its current token, its context, and
+    whether it still runs. A finished row idles: its context stays as it was."""
+
+    def __init__(self, prompts: list, outs: list, max_new_tokens: int, eos: set, stop_at_eos: bool):
+        self.outs, self.max_new_tokens, self.eos, self.stop_at_eos = outs, max_new_tokens, eos, stop_at_eos
+        self.pos = [len(p) for p in prompts]  # each row's slot of its current token (last accepted, not yet cached)
+        self.live = [not self.finished(out) for out in outs]
+        self.contexts = [p + out for p, out in zip(prompts, outs)]
+
+    def finished(self, out: list) -> bool:
+        return len(out) >= self.max_new_tokens or (self.stop_at_eos and out[-1] in self.eos)
+
+    def taken(self, out: list, new: list) -> int:
+        """How many of a row's new tokens it keeps: up to its end (the length, or EOS where it stops there)."""
+        return next((i + 1 for i, t in enumerate(new)
+                     if len(out) + i + 1 >= self.max_new_tokens or (self.stop_at_eos and t in self.eos)), len(new))
+
+    def extend(self, news: list, callback=None):
+        """Each live row's new tokens kept up to its end (and streamed to `callback`); a row that ends stops."""
+        for b, new in enumerate(news):
+            if new is None or not self.live[b]:
+                continue
+            new = new[:self.taken(self.outs[b], new)]
+            self.outs[b] += new
+            if callback:
+                for t in new:
+                    callback(torch.tensor([t]))
+            if self.finished(self.outs[b]):
+                self.live[b] = False
+            else:
+                self.pos[b] += len(new)
+                self.contexts[b] += new
 
 
 def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False):

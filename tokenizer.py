@@ -520,10 +520,18 @@ def compile_template(template: str):
     """A chat template compiled as transformers compiles it: jinja2's immutable sandbox, trim_blocks and
     lstrip_blocks, loop controls, raise_exception / strftime_now / a JSON `tojson`, `{% generation %}` blocks; each
     rendering bounded in loops, output and time (TemplateBudget)."""
-    import jinja2
-    import jinja2.compiler
     import jinja2.ext
-    import jinja2.sandbox
+    env = sandbox_type()(trim_blocks=True, lstrip_blocks=True, extensions=[generation_tag(), jinja2.ext.loopcontrols])
+    env.local = threading.local()  # one budget per rendering thread (the server renders on several)
+    bound_names(env)
+    return env.from_string(template)
+
+
+@lru_cache(maxsize=None)
+def generation_tag():
+    """The `{% generation %}` extension (jinja2 is imported on first use)."""
+    import jinja2.ext
+    import jinja2.nodes
 
     class Generation(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendered as is."""
@@ -536,46 +544,15 @@ def compile_template(template: str):
 
         def _body(self, caller):
             return caller()
+    return Generation
 
-    class Namespace(jinja2.utils.Namespace):
-        """namespace() refusing underscore names, as transformers' (no reaching for CPython internals)."""
-        def __init__(*args, **kwargs):
-            self, attrs = args[0], dict(*args[1:], **kwargs)
-            for name in attrs:
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
 
-        def __setitem__(self, name, value):
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"underscore attribute {name!r} on a namespace")
-
-    class Dict:
-        """`dict` for templates: dict(...) and dict.fromkeys(...), no handle on the type itself."""
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        """json.dumps, written piece by piece within the budget (an indent of 10**9 spaces is refused first)."""
-        if (indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0) > TEMPLATE_INDENT:
-            raise TemplateLimit(f"indents JSON by more than {TEMPLATE_INDENT} characters")
-        chunks, size = [], 0
-        for chunk in json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                                      sort_keys=sort_keys).iterencode(x):
-            size += len(chunk)
-            env.budget().build(size, "tojson")
-            chunks.append(chunk)
-        return "".join(chunks)
+@lru_cache(maxsize=None)
+def sandbox_type():
+    """The sandbox environment's class, every call, filter, range() item and operator spending from the rendering's
+    TemplateBudget (jinja2 is imported on first use)."""
+    import jinja2.compiler
+    import jinja2.sandbox
 
     class Concat(jinja2.compiler.CodeGenerator):
         """`a ~ b` as environment.concat(...), so that its size is checked like the other operators'."""
@@ -611,22 +588,7 @@ def compile_template(template: str):
             return "".join(parts)
 
         def call_binop(self, context, operator, left, right):
-            self.budget().spend()
-            for sequence, n in ((left, right), (right, left)):
-                if operator == "*" and isinstance(sequence, (str, list, tuple)) and isinstance(n, int) \
-                        and len(sequence) * n > TEMPLATE_CHARS:
-                    raise TemplateLimit(f"builds a sequence of more than {TEMPLATE_CHARS} items")
-            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-                self.budget().build(len(left) + len(right), "+")
-            if operator == "%" and isinstance(left, str):
-                self.budget().build(printf_size(left, right), "%")
-            if operator == "*" and isinstance(left, int) and isinstance(right, int) and \
-                    left.bit_length() + right.bit_length() > TEMPLATE_INT_BITS:
-                raise TemplateLimit(f"multiplies integers of more than {TEMPLATE_INT_BITS} bits")
-            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
-                    and right > 0 and left.bit_length() * right > TEMPLATE_INT_BITS:  # millions of digits: minutes
-                raise TemplateLimit(f"raises {left if left.bit_length() <= 64 else 'a huge integer'} to the power "
-                                    f"{right}")
+            check_binop(self.budget(), operator, left, right)
             return super().call_binop(context, operator, left, right)
 
         def wrap_str_format(self, value):
@@ -645,9 +607,49 @@ def compile_template(template: str):
                     return bounded(self.budget(), "", method, owner, args, kwargs)
                 return bounded(self.budget(), name, value, owner, args, kwargs)
             return run
+    return Sandbox
 
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
-    env.local = threading.local()  # one budget per rendering thread (the server renders on several)
+
+def check_binop(budget: TemplateBudget, operator: str, left, right):
+    """A step spent on `left operator right`, and the operation refused before it builds a value past the limits."""
+    budget.spend()
+    for sequence, n in ((left, right), (right, left)):
+        if operator == "*" and isinstance(sequence, (str, list, tuple)) and isinstance(n, int) \
+                and len(sequence) * n > TEMPLATE_CHARS:
+            raise TemplateLimit(f"builds a sequence of more than {TEMPLATE_CHARS} items")
+    if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+        budget.build(len(left) + len(right), "+")
+    if operator == "%" and isinstance(left, str):
+        budget.build(printf_size(left, right), "%")
+    if operator == "*" and isinstance(left, int) and isinstance(right, int) and \
+            left.bit_length() + right.bit_length() > TEMPLATE_INT_BITS:
+        raise TemplateLimit(f"multiplies integers of more than {TEMPLATE_INT_BITS} bits")
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+            and right > 0 and left.bit_length() * right > TEMPLATE_INT_BITS:  # millions of digits: minutes
+        raise TemplateLimit(f"raises {left if left.bit_length() <= 64 else 'a huge integer'} to the power "
+                            f"{right}")
+
+
+def bound_names(env):
+    """The names a template reaches, bounded by env's budget: every filter, range() per item, tojson piece by
+    piece; transformers' extra globals (raise_exception, strftime_now, a safe namespace and dict); no lipsum."""
+    import jinja2.exceptions
+    import jinja2.sandbox
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        """json.dumps, written piece by piece within the budget (an indent of 10**9 spaces is refused first)."""
+        if (indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0) > TEMPLATE_INDENT:
+            raise TemplateLimit(f"indents JSON by more than {TEMPLATE_INDENT} characters")
+        chunks, size = [], 0
+        for chunk in json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                      sort_keys=sort_keys).iterencode(x):
+            size += len(chunk)
+            env.budget().build(size, "tojson")
+            chunks.append(chunk)
+        return "".join(chunks)
 
     def budget_range(*args):
         env.budget().spend(len(range(*args)))
@@ -662,5 +664,37 @@ def compile_template(template: str):
     env.filters.update({name: bounded_filter(name, f) for name, f in env.filters.items()})
     del env.globals["lipsum"]  # lipsum(n=10**9) writes for hours; no chat template uses it
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       namespace=Namespace, dict=Dict(), range=budget_range)
-    return env.from_string(template)
+                       namespace=namespace_type(), dict=TemplateDict(), range=budget_range)
+
+
+class TemplateDict:
+    """`dict` for templates: dict(...) and dict.fromkeys(...), no handle on the type itself."""
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+@lru_cache(maxsize=None)
+def namespace_type():
+    """namespace() refusing underscore names, as transformers' (no reaching for CPython internals)."""
+    import jinja2.exceptions
+    import jinja2.utils
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"underscore attribute {name!r} on a namespace")
+    return Namespace

@@ -9,6 +9,7 @@ import hashlib
 import math
 import os
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -16,10 +17,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from errors import UserError
+from errors import UserError, quiet_stderr
 
 
 JOIN_TIMEOUT = 60  # seconds every rank waits for the others to join (FASTGEN_DIST_TIMEOUT overrides it)
+JOIN_SLACK = 10  # seconds torch's own join timeout comes after ours (join)
 
 
 def init_distributed(device: str) -> tuple:
@@ -45,20 +47,48 @@ def init_distributed(device: str) -> tuple:
             local_rank = int(environment["LOCAL_RANK"])
             torch.cuda.set_device(local_rank)
             backend, device_id = "nccl", torch.device("cuda", local_rank)
+        where = f"{os.environ['MASTER_ADDR']}:{environment['MASTER_PORT']}"
         try:
-            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device_id,
-                                    timeout=timedelta(seconds=timeout))
+            join(backend, rank, world_size, device_id, timeout)
         except (RuntimeError, TimeoutError, ValueError) as e:  # DistStoreError, DistNetworkError are RuntimeErrors
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            where = f"{os.environ['MASTER_ADDR']}:{environment['MASTER_PORT']}"
-            raise UserError(f"rank {rank} of {world_size} could not join the others at {where} within {timeout:g} s "
-                            f"({reason}): start every rank (torchrun --nproc_per_node=N), or raise "
-                            f"FASTGEN_DIST_TIMEOUT") from None
+            # a timeout is the same line whoever saw it first (join's deadline, torch's connect or store timeout)
+            reason = "" if isinstance(e, TimeoutError) or "timed out" in reason.lower() else f" ({reason})"
+            raise UserError(f"rank {rank} of {world_size} could not join the others at {where} within {timeout:g} s"
+                            f"{reason}: start every rank (torchrun --nproc_per_node=N) with the same MASTER_ADDR and "
+                            f"MASTER_PORT, or raise FASTGEN_DIST_TIMEOUT") from None
         try:  # collectives: back to the backend's default timeout
             dist.distributed_c10d._set_pg_timeout(dist.distributed_c10d._get_default_timeout(backend))
         except (AttributeError, TypeError, ValueError):
             pass
     return dist.get_rank(), dist.get_world_size()
+
+
+def join(backend: str, rank: int, world_size: int, device_id, timeout: float):
+    """dist.init_process_group, given up after `timeout` seconds whatever the peer at MASTER_ADDR:MASTER_PORT does:
+    torch's own timeout covers a port where no one listens, not a process there that accepts the connection and
+    never answers (the store's handshake reads without a deadline). So the join runs in a daemon thread that this
+    one waits for (Ctrl-C and SIGTERM still end the wait), and torch's timeout is set a little later than ours, so
+    that one deadline decides. torch's C++ log of the attempts (socket timeouts, retries, frame lists) is kept out
+    of stderr meanwhile, unless TORCH_CPP_LOG_LEVEL or FASTGEN_TRACEBACK asks for it: the error line says it all."""
+    outcome = []
+
+    def attempt():
+        try:
+            if device_id is not None:
+                torch.cuda.set_device(device_id)  # the current device is per thread
+            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device_id,
+                                    timeout=timedelta(seconds=timeout + JOIN_SLACK))
+        except BaseException as e:  # handed to the waiting thread
+            outcome.append(e)
+    thread = threading.Thread(target=attempt, name="join", daemon=True)
+    with quiet_stderr(unless="TORCH_CPP_LOG_LEVEL"):  # torch reads its log level as it loads: too early here
+        thread.start()
+        thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError("no answer")
+    if outcome:
+        raise outcome[0]
 
 
 def check_same_settings(settings: dict):

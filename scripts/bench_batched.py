@@ -117,7 +117,7 @@ def time_transformers_batch(model, prompts: list, new_tokens: int, repeats: int)
     return len(prompts) * new_tokens / benchlib.best_seconds(run, repeats)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", type=Path, default=ROOT / "checkpoints/tiny", help="train_tiny.py's OUT directory")
     p.add_argument("--batch_sizes", default="1,2,4,8")
@@ -139,7 +139,11 @@ def main(argv=None):
                         "(default bench_results/padding.json)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=None, help="default bench_results/batched.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count())
     torch._dynamo.config.cache_size_limit = 64
     target_pth, draft_pth = args.pair / "target/model.pth", args.pair / "draft/model.pth"
@@ -153,52 +157,58 @@ def main(argv=None):
     prompts = [p[: len(p) - 7 * i] for i, p in enumerate(prompts)]  # different lengths, whatever the files
     mode = "none" if args.no_compile else "autotune" if args.autotune else "auto"  # the draft's too
     engine = decode.compile_engine(target, "cpu", mode)
+    settings = {k: str(v) for k, v in vars(args).items()}
     if args.padding:
         rows = compare_padding(engine, prompts, sizes, args.new_tokens, args.repeats)
         print()
         benchlib.print_table(rows, ["batch", "layout", "tokens_per_sec", "vs_per_row", "same_as_generate"])
         benchlib.write_json(args.json or ROOT / "bench_results/padding.json",
                             {"machine": benchlib.machine(), "command": sys.argv,
-                             "prompt_lengths": list(map(len, prompts)),
-                             "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+                             "prompt_lengths": list(map(len, prompts)), "settings": settings, "rows": rows})
         return
     hf_target = None if args.no_transformers else benchlib.hf_model(args.pair / "target")
-    sampling = decode.Sampling(args.temperature)
     k, nodes = args.k, args.tree_nodes
     configs = {f"chain K={k}": (k, None), f"tree N={nodes} K={k}": (k, nodes), "chain K=auto": ("auto", None)}
     configs = benchlib.pick(configs, args.only)
     draft_engine = decode.compile_engine(draft, "cpu", mode) if configs else None
     rows = []
     for batch in sizes:
-        speculators = {"plain": None}
-        for name, (depth, n) in configs.items():
-            speculators[name] = generation.make_speculator(generation.Speculation(depth, n), draft_engine,
-                                                           max_seq_length=4096)
-        results = time_batches(engine, speculators, prompts[:batch], args.new_tokens, sampling, args.repeats)
-        plain_tps, plain_rows, _ = results["plain"]
-        hf_tps = time_transformers_batch(hf_target, prompts[:batch], args.new_tokens, args.repeats) \
-            if hf_target is not None else None
-        for name, (tps, out, stats) in results.items():
-            row = {"batch": batch, "config": name, "tokens_per_sec": tps, "vs_plain": tps / plain_tps,
-                   "vs_transformers": tps / hf_tps if hf_tps else None,
-                   "tokens_per_target_forward": stats.get("tokens_per_target_forward"),
-                   "plain_steps": stats.get("plain_steps") if name == "chain K=auto" else None}
-            if args.temperature == 0:
-                row["same_as_plain"] = out == plain_rows
-            rows.append(row)
-        if hf_tps:
-            rows.append({"batch": batch, "config": "transformers generate()", "tokens_per_sec": hf_tps,
-                         "vs_plain": hf_tps / plain_tps, "vs_transformers": 1.0})
-        print(f"B={batch}: " + ", ".join(f"{r['config']} {r['tokens_per_sec']:.1f}" for r in rows
-                                         if r["batch"] == batch), flush=True)
+        rows += batch_rows(engine, draft_engine, configs, hf_target, prompts[:batch], args)
     columns = ["batch", "config", "tokens_per_sec", "vs_plain", "vs_transformers", "tokens_per_target_forward",
                "plain_steps", "same_as_plain"]
     print()
     benchlib.print_table(rows, columns)
     benchlib.write_json(args.json or ROOT / "bench_results/batched.json",
                         {"machine": benchlib.machine(), "command": sys.argv, "prompt_files": [str(f) for f in files],
-                         "prompt_lengths": list(map(len, prompts)),
-                         "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+                         "prompt_lengths": list(map(len, prompts)), "settings": settings, "rows": rows})
+
+
+def batch_rows(engine, draft_engine, configs: dict, hf_target, prompts: list, args) -> list:
+    """The batch of `prompts` decoded plain and by each speculative configuration (name -> (depth, tree nodes)),
+    taking turns, and by transformers where given: a row each."""
+    batch, sampling = len(prompts), decode.Sampling(args.temperature)
+    speculators = {"plain": None}
+    for name, (depth, n) in configs.items():
+        speculators[name] = generation.make_speculator(generation.Speculation(depth, n), draft_engine,
+                                                       max_seq_length=4096)
+    results = time_batches(engine, speculators, prompts, args.new_tokens, sampling, args.repeats)
+    plain_tps, plain_rows, _ = results["plain"]
+    hf_tps = time_transformers_batch(hf_target, prompts, args.new_tokens, args.repeats) \
+        if hf_target is not None else None
+    rows = []
+    for name, (tps, out, stats) in results.items():
+        row = {"batch": batch, "config": name, "tokens_per_sec": tps, "vs_plain": tps / plain_tps,
+               "vs_transformers": tps / hf_tps if hf_tps else None,
+               "tokens_per_target_forward": stats.get("tokens_per_target_forward"),
+               "plain_steps": stats.get("plain_steps") if name == "chain K=auto" else None}
+        if args.temperature == 0:
+            row["same_as_plain"] = out == plain_rows
+        rows.append(row)
+    if hf_tps:
+        rows.append({"batch": batch, "config": "transformers generate()", "tokens_per_sec": hf_tps,
+                     "vs_plain": hf_tps / plain_tps, "vs_transformers": 1.0})
+    print(f"B={batch}: " + ", ".join(f"{r['config']} {r['tokens_per_sec']:.1f}" for r in rows), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import interruptible_imports, run_cli  # noqa: E402
+from errors import interruptible_imports, run_cli, write_files_atomically  # noqa: E402
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 
@@ -54,15 +54,15 @@ def write_other_tokenizer_draft(pair: Path, seed: int = 0) -> Path:
     assert all(new_vocab[p] == vocab[p] for p in kept if vocab[p] in special)  # specials keep their ids
     spec["model"]["vocab"] = new_vocab
     spec["model"]["merges"] = [[a, b] for a, b in tokenizers_.bpe_merges({p: vocab[p] for p in kept})]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
     state = torch.load(pair / "draft/model.pth", weights_only=True)
     rows = torch.tensor([vocab[p] for p in sorted(new_vocab, key=new_vocab.get)])
     for name in ("tok_embeddings.weight", "output.weight"):
         state[name] = state[name][rows].clone()
     config = json.loads((pair / "draft/config.json").read_text())
-    (out / "config.json").write_text(json.dumps(dict(config, vocab_size=len(new_vocab))))
-    torch.save(state, out / "model.pth")
+    write_files_atomically(out, {  # model.pth last: the next run takes a directory with one as complete
+        "tokenizer.json": lambda tmp: tmp.write_text(json.dumps(spec, ensure_ascii=False)),
+        "config.json": lambda tmp: tmp.write_text(json.dumps(dict(config, vocab_size=len(new_vocab)))),
+        "model.pth": lambda tmp: torch.save(state, tmp)})
     return out / "model.pth"
 
 
@@ -71,7 +71,7 @@ def hf_tokenizer(tok):
     return PreTrainedTokenizerFast(tokenizer_object=tok.processor, **tok.special_tokens)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", type=Path, default=ROOT / "checkpoints/tiny", help="train_tiny.py's OUT directory")
     p.add_argument("--prompts", type=int, default=3)
@@ -86,24 +86,20 @@ def main(argv=None):
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/crossdraft.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count())
-    compile_ = not args.no_compile
-    target_pth = args.pair / "target/model.pth"
-    if not target_pth.is_file():
-        sys.exit(f"error: {target_pth} not found: train the pair with "
-                 f"python scripts/train_tiny.py --out_dir {args.pair}")
-    draft_pth = write_other_tokenizer_draft(args.pair) if args.draft == "revocab" else \
-        args.pair / "draft_othertok/model.pth"
-    if not draft_pth.is_file():
-        sys.exit(f"error: {draft_pth} not found: train it with python scripts/train_tiny.py --out_dir {args.pair}")
+    target_pth, draft_pth = pair_paths(args.pair, args.draft)
     target, draft = generation.load_model(target_pth), generation.load_model(draft_pth)
     target_tok, draft_tok = tokenizers_.get_tokenizer(target_pth.parent), tokenizers_.get_tokenizer(draft_pth.parent)
     text = "    def parse_args(self, args=None, namespace=None):\n"
     print(f"the same text: target {len(target_tok.encode(text))} tokens, draft {len(draft_tok.encode(text))}; "
           f"vocabularies {target_tok.vocab_size} and {draft_tok.vocab_size}", flush=True)
     _, prompts, _ = load_prompts(args.pair, target_tok, args.prompts, args.prompt_tokens, 8)
-    mode = "auto" if compile_ else "none"  # the target's and the draft's
+    mode = "none" if args.no_compile else "auto"  # the target's and the draft's
     engine = decode.compile_engine(target, "cpu", mode)
     draft_engine = decode.compile_engine(draft, "cpu", mode)
     speculators = {f"cross-tokenizer chain K={k}": generation.make_cross_speculator(
@@ -118,51 +114,81 @@ def main(argv=None):
         sampling = decode.Sampling(temperature, top_k=None)
         results = benchlib.time_interleaved(engine, {"plain": None, **speculators}, prompts, args.new_tokens,
                                             sampling, args.repeats)
-        base_tps, base_runs = results["plain"]
-        for name, (tps, runs) in results.items():
-            row = {"temperature": temperature, "impl": "ours", "config": name, "tokens_per_sec": tps,
-                   "speedup": tps / base_tps}
-            if runs[0][1].get("accept_counts"):
-                steps = sum(sum(s["accept_counts"]) for _, s in runs)
-                accepted = sum(sum(i * c for i, c in enumerate(s["accept_counts"])) for _, s in runs)
-                row["tokens_per_target_forward"] = (accepted + steps) / steps
-                if temperature == 0:
-                    row["same_as_plain"] = all(a == b for (a, _), (b, _) in zip(runs, base_runs))
-            rows.append(row)
-            print(f"  T={temperature} {name}: {tps:.1f} tok/s, x{row['speedup']:.2f}", flush=True)
+        rows += our_rows(results, temperature)
         if hf is not None:
-            hf_target, hf_draft, hf_target_tok, hf_draft_tok = hf
-            kwargs = {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
-            for name, extra in (("transformers", {}),
-                                ("transformers assisted, other tokenizer",
-                                 {"assistant_model": hf_draft, "tokenizer": hf_target_tok,
-                                  "assistant_tokenizer": hf_draft_tok})):
-                seconds, same = 0.0, True
-                try:
-                    for prompt, (ours, _) in zip(prompts, base_runs):
-                        tps, ids = benchlib.time_transformers(hf_target, prompt, args.new_tokens, None, args.repeats,
-                                                              **kwargs, **extra)
-                        seconds += len(ids) / tps
-                        same = same and ids == ours
-                except (AttributeError, ValueError, RuntimeError) as e:  # e.g. transformers 5.x sampled assisted
-                    # generation fails when the assistant's vocabulary lies inside the target's
-                    rows.append({"temperature": temperature, "impl": "transformers", "config": name,
-                                 "error": f"{type(e).__name__}: {e}"[:200]})
-                    print(f"  T={temperature} {name}: failed: {type(e).__name__}: {e}", flush=True)
-                    continue
-                tps = args.new_tokens * len(prompts) / seconds
-                row = {"temperature": temperature, "impl": "transformers", "config": name, "tokens_per_sec": tps,
-                       "speedup": tps / base_tps}
-                if temperature == 0:
-                    row["same_as_plain"] = same
-                rows.append(row)
-                print(f"  T={temperature} {name}: {tps:.1f} tok/s, x{row['speedup']:.2f}", flush=True)
+            rows += transformers_rows(hf, prompts, results["plain"], temperature, args.new_tokens, args.repeats)
     columns = ["temperature", "impl", "config", "tokens_per_sec", "speedup", "tokens_per_target_forward",
                "same_as_plain"]
     print()
     benchlib.print_table(rows, columns)
     benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv,
                                     "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+
+
+def pair_paths(pair: Path, which: str) -> tuple:
+    """The target's model.pth and the chosen draft's (the revocab draft written on first use); a missing one is
+    refused with the command that makes it."""
+    target_pth = pair / "target/model.pth"
+    if not target_pth.is_file():
+        sys.exit(f"error: {target_pth} not found: train the pair with "
+                 f"python scripts/train_tiny.py --out_dir {pair}")
+    draft_pth = write_other_tokenizer_draft(pair) if which == "revocab" else pair / "draft_othertok/model.pth"
+    if not draft_pth.is_file():
+        sys.exit(f"error: {draft_pth} not found: train it with python scripts/train_tiny.py --out_dir {pair}")
+    return target_pth, draft_pth
+
+
+def our_rows(results: dict, temperature: float) -> list:
+    """A row per configuration of ours: tokens/s, speedup over plain decoding, tokens per target forward, and
+    (greedy) whether its tokens equal plain decoding's."""
+    rows = []
+    base_tps, base_runs = results["plain"]
+    for name, (tps, runs) in results.items():
+        row = {"temperature": temperature, "impl": "ours", "config": name, "tokens_per_sec": tps,
+               "speedup": tps / base_tps}
+        if runs[0][1].get("accept_counts"):
+            steps = sum(sum(s["accept_counts"]) for _, s in runs)
+            accepted = sum(sum(i * c for i, c in enumerate(s["accept_counts"])) for _, s in runs)
+            row["tokens_per_target_forward"] = (accepted + steps) / steps
+            if temperature == 0:
+                row["same_as_plain"] = all(a == b for (a, _), (b, _) in zip(runs, base_runs))
+        rows.append(row)
+        print(f"  T={temperature} {name}: {tps:.1f} tok/s, x{row['speedup']:.2f}", flush=True)
+    return rows
+
+
+def transformers_rows(hf: tuple, prompts: list, plain: tuple, temperature: float, new_tokens: int,
+                      repeats: int) -> list:
+    """transformers' generate(), plain and assisted by the draft across tokenizers, against our plain decoding
+    (`plain`: its tokens/s and runs); a configuration that fails is a row with its error."""
+    hf_target, hf_draft, hf_target_tok, hf_draft_tok = hf
+    base_tps, base_runs = plain
+    rows = []
+    kwargs = {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
+    for name, extra in (("transformers", {}),
+                        ("transformers assisted, other tokenizer",
+                         {"assistant_model": hf_draft, "tokenizer": hf_target_tok,
+                          "assistant_tokenizer": hf_draft_tok})):
+        seconds, same = 0.0, True
+        try:
+            for prompt, (ours, _) in zip(prompts, base_runs):
+                tps, ids = benchlib.time_transformers(hf_target, prompt, new_tokens, None, repeats, **kwargs, **extra)
+                seconds += len(ids) / tps
+                same = same and ids == ours
+        except (AttributeError, ValueError, RuntimeError) as e:  # e.g. transformers 5.x sampled assisted
+            # generation fails when the assistant's vocabulary lies inside the target's
+            rows.append({"temperature": temperature, "impl": "transformers", "config": name,
+                         "error": f"{type(e).__name__}: {e}"[:200]})
+            print(f"  T={temperature} {name}: failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        tps = new_tokens * len(prompts) / seconds
+        row = {"temperature": temperature, "impl": "transformers", "config": name, "tokens_per_sec": tps,
+               "speedup": tps / base_tps}
+        if temperature == 0:
+            row["same_as_plain"] = same
+        rows.append(row)
+        print(f"  T={temperature} {name}: {tps:.1f} tok/s, x{row['speedup']:.2f}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def launch_seconds(model_pth: Path, draft_pth=None, k=5, ngram=0) -> float:
     return time.perf_counter() - start
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint_dir", type=Path, default=ROOT / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--gguf", type=Path, default=ROOT / "checkpoints/gguf/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -116,7 +116,11 @@ def main(argv=None):
     p.add_argument("--fresh_graphs", action="store_true", help="remove the stored graphs first (setup = their build)")
     p.add_argument("--only", default="", help="semicolon-separated configuration names to run (default: all)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/real.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
     bandwidth = benchlib.measure_bandwidth()  # this run's, as the machine's moves between runs
@@ -130,13 +134,34 @@ def main(argv=None):
         sys.exit(f"error: {model_pth} not found: run bash scripts/demo.sh (or convert a checkpoint) first")
     tokenizer = get_tokenizer(args.checkpoint_dir)
     prompts = [tokenizer.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    eos = tuple(tokenizer.eos_ids) if args.stop_at_eos else ()
+    configs, launches = configurations(args, model_pth, eos, threads)
+    if args.fresh_graphs:
+        shutil.rmtree(args.checkpoint_dir / "compiled", ignore_errors=True)
+    configs = benchlib.pick(configs, args.only, ";")
+    built, outputs, setup_seconds = build_and_warm_up(configs, prompts, args.new_tokens)
+    best = time_turns(built, prompts, args.new_tokens, args.repeats)
+    rows = result_rows(built, outputs, best, setup_seconds, launches if not args.no_compile else {}, bandwidth)
+    add_ratios(rows)
+    print()
+    benchlib.print_table(rows, ["config", "tokens_per_sec", "tokens", "gbs", "pct_read_bw", "x_ours_fp32",
+                                "x_transformers_fp32", "x_llama_cpp", "x_llama_same_bits",
+                                "tokens_per_target_forward", "same_as_ours_fp32", "same_as_plain", "setup_seconds",
+                                "launch_s"])
+    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": rows,
+                                    "bandwidth": bandwidth,
+                                    "settings": {k: str(v) for k, v in vars(args).items()}})
+
+
+def configurations(args, model_pth: Path, eos: tuple, threads: int) -> tuple:
+    """name -> a function building (run, stats), built lazily in turn order (ours, transformers', llama.cpp's
+    where llama-cpp-python is installed); and name -> generate.py's arguments for the configurations whose
+    launch is timed."""
     load = generation.load_model
     compiled = not args.no_compile
     int4_pth = benchlib.quantized_checkpoint(model_pth, "int4", 32)
     int8_pth = benchlib.quantized_checkpoint(model_pth, "int8")
     a8 = {mode: (lambda mode=mode: benchlib.quantized_checkpoint(model_pth, mode, 32)) for mode in ("int8-a8", "int4-a8")}
-    if args.fresh_graphs:
-        shutil.rmtree(args.checkpoint_dir / "compiled", ignore_errors=True)
     launches = {"ours fp32": (model_pth,), "ours int8": (int8_pth,), "ours int4 g32": (int4_pth,),
                 "ours fp32, int4 draft chain K=5": (model_pth, int4_pth, 5),
                 "ours fp32, 3-gram K=5": (model_pth, None, 5, 3),
@@ -144,42 +169,34 @@ def main(argv=None):
                 "ours int8, 3-gram K=auto": (int8_pth, None, "auto", 3),
                 "ours int8-a8": (quantize.output_path(model_pth, {"mode": "int8-a8"}),),
                 "ours int4-a8 g32": (quantize.output_path(model_pth, {"mode": "int4-a8", "groupsize": 32}),)}
-
-    eos = tuple(tokenizer.eos_ids) if args.stop_at_eos else ()
-    ours_ = functools.partial(ours, eos=eos)
-    configs = {  # name -> a function building (run, stats); built lazily, in turn order
-        "ours fp32": lambda: ours_(load(model_pth), compiled=compiled),
-        "ours fp32 regional": lambda: ours_(load(model_pth), compiled=compiled, mode="regional"),
-        "ours fp32 whole": lambda: ours_(load(model_pth), compiled=compiled, mode="whole"),
-        "ours bf16": lambda: ours_(load(model_pth, precision=torch.bfloat16), compiled=compiled),
-        "ours int8": lambda: ours_(load(int8_pth), compiled=compiled),
-        "ours int4 g32": lambda: ours_(load(int4_pth), compiled=compiled),
-        "ours fp32, int4 draft chain K=5": lambda: ours_(load(model_pth), load(int4_pth), 5, compiled=compiled),
-        "ours fp32, int8 draft chain K=5": lambda: ours_(load(model_pth), load(int8_pth), 5, compiled=compiled),
-        "ours fp32, int4 draft tree N=12 K=4": lambda: ours_(load(model_pth), load(int4_pth), 4, 12,
-                                                            compiled=compiled),
-        "ours fp32, 3-gram K=5": lambda: ours_(load(model_pth), None, 5, None, 3, compiled=compiled),
-        "ours int8, int4 draft chain K=4": lambda: ours_(load(int8_pth), load(int4_pth), 4, compiled=compiled),
-        "ours int8, 3-gram K=5": lambda: ours_(load(int8_pth), None, 5, None, 3, compiled=compiled),
-        "ours int8, 3-gram K=auto": lambda: ours_(load(int8_pth), None, "auto", None, 3, compiled=compiled),
-        "ours fp32, 3-gram K=auto": lambda: ours_(load(model_pth), None, "auto", None, 3, compiled=compiled),
-        "ours fp32, int4 draft chain K=auto": lambda: ours_(load(model_pth), load(int4_pth), "auto",
-                                                           compiled=compiled),
+    ours_ = functools.partial(ours, eos=eos, compiled=compiled)
+    configs = {
+        "ours fp32": lambda: ours_(load(model_pth)),
+        "ours fp32 regional": lambda: ours_(load(model_pth), mode="regional"),
+        "ours fp32 whole": lambda: ours_(load(model_pth), mode="whole"),
+        "ours bf16": lambda: ours_(load(model_pth, precision=torch.bfloat16)),
+        "ours int8": lambda: ours_(load(int8_pth)),
+        "ours int4 g32": lambda: ours_(load(int4_pth)),
+        "ours fp32, int4 draft chain K=5": lambda: ours_(load(model_pth), load(int4_pth), 5),
+        "ours fp32, int8 draft chain K=5": lambda: ours_(load(model_pth), load(int8_pth), 5),
+        "ours fp32, int4 draft tree N=12 K=4": lambda: ours_(load(model_pth), load(int4_pth), 4, 12),
+        "ours fp32, 3-gram K=5": lambda: ours_(load(model_pth), None, 5, None, 3),
+        "ours int8, int4 draft chain K=4": lambda: ours_(load(int8_pth), load(int4_pth), 4),
+        "ours int8, 3-gram K=5": lambda: ours_(load(int8_pth), None, 5, None, 3),
+        "ours int8, 3-gram K=auto": lambda: ours_(load(int8_pth), None, "auto", None, 3),
+        "ours fp32, 3-gram K=auto": lambda: ours_(load(model_pth), None, "auto", None, 3),
+        "ours fp32, int4 draft chain K=auto": lambda: ours_(load(model_pth), load(int4_pth), "auto"),
         # 8-bit activations, integer dot products (kernels_a8.cpp)
-        "ours int8-a8": lambda: ours_(load(a8["int8-a8"]()), compiled=compiled),
-        "ours int4-a8 g32": lambda: ours_(load(a8["int4-a8"]()), compiled=compiled),
-        "ours fp32, int4-a8 draft chain K=5": lambda: ours_(load(model_pth), load(a8["int4-a8"]()), 5,
-                                                           compiled=compiled),
-        "ours fp32, int8-a8 draft chain K=5": lambda: ours_(load(model_pth), load(a8["int8-a8"]()), 5,
-                                                           compiled=compiled),
+        "ours int8-a8": lambda: ours_(load(a8["int8-a8"]())),
+        "ours int4-a8 g32": lambda: ours_(load(a8["int4-a8"]())),
+        "ours fp32, int4-a8 draft chain K=5": lambda: ours_(load(model_pth), load(a8["int4-a8"]()), 5),
+        "ours fp32, int8-a8 draft chain K=5": lambda: ours_(load(model_pth), load(a8["int8-a8"]()), 5),
         # --compile autotune: stored graphs, every matmul shape timed against inductor's C++ GEMM templates
-        "ours fp32 autotune": lambda: ours_(load(model_pth), compiled=compiled, autotune=True),
-        "ours int8 autotune": lambda: ours_(load(int8_pth), compiled=compiled, autotune=True),
-        "ours int4 g32 autotune": lambda: ours_(load(int4_pth), compiled=compiled, autotune=True),
-        "ours fp32 autotune, int4 draft chain K=5": lambda: ours_(load(model_pth), load(int4_pth), 5, compiled=compiled,
-                                                                 autotune=True),
-        "ours fp32 autotune, 3-gram K=5": lambda: ours_(load(model_pth), None, 5, None, 3, compiled=compiled,
-                                                        autotune=True),
+        "ours fp32 autotune": lambda: ours_(load(model_pth), autotune=True),
+        "ours int8 autotune": lambda: ours_(load(int8_pth), autotune=True),
+        "ours int4 g32 autotune": lambda: ours_(load(int4_pth), autotune=True),
+        "ours fp32 autotune, int4 draft chain K=5": lambda: ours_(load(model_pth), load(int4_pth), 5, autotune=True),
+        "ours fp32 autotune, 3-gram K=5": lambda: ours_(load(model_pth), None, 5, None, 3, autotune=True),
         "transformers fp32": lambda: transformers_run(args.checkpoint_dir, eos),
         "transformers fp32, prompt lookup": lambda: transformers_run(args.checkpoint_dir, eos, prompt_lookup_num_tokens=5),
     }
@@ -191,30 +208,44 @@ def main(argv=None):
                 configs["llama.cpp Q8_0"] = lambda: llama_cpp_run(benchlib.requantized_q8_0(args.gguf), threads, eos)
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp column", flush=True)
-    configs = benchlib.pick(configs, args.only, ";")
+    return configs, launches
 
-    built, compile_seconds, best, outputs = {}, {}, {}, {}
-    for name, build in configs.items():  # build and warm up (compile) each, timing the first run
+
+def build_and_warm_up(configs: dict, prompts: list, new_tokens: int) -> tuple:
+    """Each configuration built and run once over the prompts (our first run compiles). Returns (name -> (run,
+    stats), name -> its greedy answers, name -> seconds to build and run once)."""
+    built, outputs, setup_seconds = {}, {}, {}
+    for name, build in configs.items():
         t = time.perf_counter()
         built[name] = build()
-        outputs[name] = [built[name][0](ids, args.new_tokens) for ids in prompts]  # greedy: each run's answers
-        compile_seconds[name] = time.perf_counter() - t
-        best[name] = [float("inf")] * len(prompts)
-        print(f"  {name}: ready in {compile_seconds[name]:.1f} s", flush=True)
-    for _ in range(args.repeats):
+        outputs[name] = [built[name][0](ids, new_tokens) for ids in prompts]  # greedy: each run's answers
+        setup_seconds[name] = time.perf_counter() - t
+        print(f"  {name}: ready in {setup_seconds[name]:.1f} s", flush=True)
+    return built, outputs, setup_seconds
+
+
+def time_turns(built: dict, prompts: list, new_tokens: int, repeats: int) -> dict:
+    """Best seconds per configuration and prompt, the configurations taking turns run by run."""
+    best = {name: [float("inf")] * len(prompts) for name in built}
+    for _ in range(repeats):
         for i, ids in enumerate(prompts):
             for name, (run, _) in built.items():
                 t = time.perf_counter()
-                run(ids, args.new_tokens)
+                run(ids, new_tokens)
                 best[name][i] = min(best[name][i], time.perf_counter() - t)
-    rows, plain = [], None
+    return best
+
+
+def result_rows(built: dict, outputs: dict, best: dict, setup_seconds: dict, launches: dict, bandwidth: dict) -> list:
+    """A row per configuration: tokens/s, bandwidth used, acceptance, same answers as plain fp32 and as its own
+    target's plain decode, and (for `launches`) a new process's launch seconds."""
+    rows = []
     for name, (run, stats) in built.items():
         tokens = sum(len(answer) for answer in outputs[name])
         tps = tokens / sum(best[name])
-        plain = plain or (tps if name == "ours fp32" else None)
-        row = {"config": name, "tokens_per_sec": tps, "tokens": tokens, "setup_seconds": compile_seconds[name],
+        row = {"config": name, "tokens_per_sec": tps, "tokens": tokens, "setup_seconds": setup_seconds[name],
                "per_question": [{"tokens": len(answer), "seconds": t} for answer, t in zip(outputs[name], best[name])]}
-        if compiled and name in launches:  # after the timed runs: nothing else runs beside it
+        if name in launches:  # after the timed runs: nothing else runs beside it
             row["launch_s"] = launch_seconds(*launches[name])
         if stats.get("accept_counts"):
             row["tokens_per_target_forward"] = stats["tokens_per_target_forward"]
@@ -226,6 +257,12 @@ def main(argv=None):
         if "," in name and name.split(",")[0] in outputs:  # speculation: its target's plain greedy ids
             row["same_as_plain"] = outputs[name] == outputs[name.split(",")[0]]
         rows.append(row)
+    return rows
+
+
+def add_ratios(rows: list):
+    """Each row's speed against ours fp32, transformers fp32, llama.cpp's fastest and llama.cpp at its own bits."""
+    plain = next((r["tokens_per_sec"] for r in rows if r["config"] == "ours fp32"), None)
     reference = next((r["tokens_per_sec"] for r in rows if r["config"] == "transformers fp32"), None)
     peers = {r["config"].split()[1]: r["tokens_per_sec"] for r in rows if r["config"].startswith("llama.cpp")}
     llama = max(peers.values(), default=None)
@@ -236,14 +273,6 @@ def main(argv=None):
         same_bits = peers.get("Q8_0" if "int8" in row["config"].split(",")[0] else
                               "Q4_1" if "int4" in row["config"].split(",")[0] else None)
         row["x_llama_same_bits"] = row["tokens_per_sec"] / same_bits if same_bits else row["x_llama_cpp"]
-    print()
-    benchlib.print_table(rows, ["config", "tokens_per_sec", "tokens", "gbs", "pct_read_bw", "x_ours_fp32", "x_transformers_fp32",
-                                "x_llama_cpp", "x_llama_same_bits",
-                                "tokens_per_target_forward", "same_as_ours_fp32", "same_as_plain", "setup_seconds",
-                                "launch_s"])
-    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": rows,
-                                    "bandwidth": bandwidth,
-                                    "settings": {k: str(v) for k, v in vars(args).items()}})
 
 
 if __name__ == "__main__":

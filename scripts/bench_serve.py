@@ -16,7 +16,16 @@ between text chunks (a chunk carries one token's text, or several where held-bac
 --stats_json, the mean over its samples after the first) beside, per B, one client's answers one after another for --seconds: tokens per
 second of each answer from request sent to its last chunk (mean; the first answer left out as a warm-up), the
 server's own decode rate after the first token (its `fastgen.tokens_per_second`), and the ratios to generate.py's.
+
+    python scripts/bench_serve.py --checkpoint_path M/model.pth --chat_turns 10 --batch_sizes 8 -- --compile
+
+--chat_turns N: one client holds a chat of N turns (greedy, streaming), each turn's messages the whole conversation
+so far and a new user message, sized so that the last turn's prompt holds about --chat_history tokens; once on a
+server with the prefix cache and once on one started with --no_prefix_cache. Reported per B: the last turn's
+prompt and cached tokens, its time to first token (request sent -> first text) both ways and their ratio, and
+whether every answer was the same both ways.
 """
+import contextlib
 import argparse
 import http.client
 import json
@@ -37,6 +46,10 @@ PROMPTS = ["Write a short story about a robot learning to paint.", "def fibonacc
            "Explain how a key-value cache speeds up decoding.", "The three most important ideas in physics are",
            "Translate to French: the weather is nice today.", "List five uses of a paperclip:"]
 MAX_CLIENTS, MAX_SECONDS = 64, 600
+# the chat workload's user messages are drawn from these words (a fixed text: both runs send the same messages)
+FILLER = ("the parser reads each option and its value then checks the value against the type the option declares "
+          "and stores it in a namespace that the program later reads to decide what to do next while the help text "
+          "lists every option with a short line about what it changes").split()
 
 
 def free_port() -> int:
@@ -122,6 +135,102 @@ def load(port: int, clients: int, seconds: float, max_tokens: int, prompts: list
             "answers": inside}
 
 
+@contextlib.contextmanager
+def serving(checkpoint: Path, batch: int, flags: list):
+    """serve.py at --max_batch_size `batch` with these flags on a free loopback port, once ready: yields the port."""
+    port = free_port()
+    log = tempfile.TemporaryFile()  # serve's stderr: its one line, if it stops before it is ready
+    process = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--checkpoint_path", str(checkpoint),
+                                "--port", str(port), "--host", "127.0.0.1", "--max_batch_size", str(batch),
+                                "--max_queue", str(MAX_CLIENTS), *flags], stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_ready(port, process, timeout=600, log=log)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+def chat_request(port: int, messages: list, max_tokens: int) -> dict:
+    """One greedy streaming chat completion: its answer text, time to its first text, usage and `fastgen`."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    sent = time.perf_counter()
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        said = json.loads(response.read() or b"{}").get("error", {}).get("message", "")
+        raise SystemExit(f"error: the server refused a chat turn with {response.status}: {said} (lower "
+                         f"--chat_history or --max_tokens)")
+    text, first, usage, figures = "", None, None, {}
+    for line in response:
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise SystemExit(f"error: the server answered a chat turn with: {chunk['error']['message']}")
+        figures = chunk.get("fastgen") or figures
+        usage = chunk.get("usage") or usage
+        content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+        if content:  # the first chunk (the role, no text) is sent before any token
+            first = first or time.perf_counter()
+            text += content
+    connection.close()
+    return {"text": text, "ttft": (first or time.perf_counter()) - sent, "usage": usage, "fastgen": figures}
+
+
+def chat(port: int, turns: int, history: int, max_tokens: int) -> list:
+    """A chat of `turns` turns, each one's request the conversation so far plus a new user message sized so that
+    the last prompt holds about `history` tokens: each turn's chat_request result."""
+    # a turn adds its user message, its answer and the template around them (about 20 tokens with the question);
+    # English text is about 1.3 tokens a word: the last turn's usage tells the real count
+    words = max(1, round((history / turns - max_tokens - 20) / 1.3))
+    messages, results = [], []
+    for turn in range(turns):
+        text = " ".join(FILLER[(turn * 11 + i) % len(FILLER)] for i in range(words))
+        messages.append({"role": "user", "content": f"Part {turn + 1}: {text}. What does this part say?"})
+        result = chat_request(port, messages, max_tokens)
+        messages.append({"role": "assistant", "content": result["text"]})
+        results.append(result)
+    return results
+
+
+def chat_turns(args, extra: list) -> list:
+    """Per B, the chat on a server with the prefix cache and on one without: the last turn's figures, both ways."""
+    rows = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        runs = {}
+        for name, flags in (("cached", extra), ("cold", extra + ["--no_prefix_cache"])):
+            with serving(args.checkpoint_path, batch, flags) as port:
+                runs[name] = chat(port, args.chat_turns, args.chat_history, args.max_tokens)
+        cached, cold = runs["cached"][-1], runs["cold"][-1]
+        rows.append({"batch_size": batch, "turns": args.chat_turns,
+                     "last_prompt_tokens": cached["usage"]["prompt_tokens"],
+                     "last_cached_tokens": cached["usage"]["prompt_tokens_details"]["cached_tokens"],
+                     "ttft_cached": cached["ttft"], "ttft_cold": cold["ttft"], "speedup": cold["ttft"] / cached["ttft"],
+                     "server_ttft_cached": cached["fastgen"].get("time_to_first_token"),
+                     "server_ttft_cold": cold["fastgen"].get("time_to_first_token"),
+                     "identical": [r["text"] for r in runs["cached"]] == [r["text"] for r in runs["cold"]]})
+    return rows
+
+
+def report_chat(args, extra: list, rows: list):
+    print(f"{'B':>3} {'turns':>5} {'last prompt':>11} {'cached':>7} {'TTFT cached':>11} {'TTFT cold':>10} "
+          f"{'ratio':>6} answers   (last turn; TTFT in ms, request sent -> first text)")
+    for r in rows:
+        print(f"{r['batch_size']:>3} {r['turns']:>5} {r['last_prompt_tokens']:>11} {r['last_cached_tokens']:>7} "
+              f"{r['ttft_cached'] * 1000:>11.1f} {r['ttft_cold'] * 1000:>10.1f} {r['speedup']:>6.2f} "
+              f"{'identical' if r['identical'] else 'DIFFERENT'}")
+    if args.json:
+        result = {"checkpoint": str(args.checkpoint_path), "chat_turns": args.chat_turns,
+                  "chat_history": args.chat_history, "max_tokens": args.max_tokens, "server_flags": extra,
+                  "rows": rows}
+        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
+
+
 def generate_flags(server_flags: list) -> list:
     """The serve.py flags generate.py shares (--compile [MODE], --device, --precision), as generate.py takes them."""
     shared = argparse.ArgumentParser(add_help=False)
@@ -172,11 +281,22 @@ def main(argv=None):
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--versus_generate", action="store_true",
                    help="one client at each B against generate.py's plain tokens/s on the same checkpoint and prompt")
+    p.add_argument("--chat_turns", type=int, default=0, metavar="N",
+                   help="one client's N-turn chat, with the prefix cache and without: the last turn's time to first "
+                        "token both ways")
+    p.add_argument("--chat_history", type=int, default=1500, metavar="TOKENS",
+                   help="about how many tokens the chat's last prompt holds (--chat_turns)")
     p.add_argument("server_flags", nargs=argparse.REMAINDER, help="after --: more serve.py flags (--compile ...)")
     args = p.parse_args(argv)
     if not 0 < args.seconds <= MAX_SECONDS or (args.clients is not None and not 0 < args.clients <= MAX_CLIENTS):
         raise SystemExit(f"error: --seconds must be in (0, {MAX_SECONDS}] and --clients in [1, {MAX_CLIENTS}]")
     extra = [f for f in args.server_flags if f != "--"]
+    if args.chat_turns:
+        if args.versus_generate or args.clients is not None or args.chat_turns < 2 or args.chat_history < 1:
+            raise SystemExit("error: --chat_turns (>= 2) runs one client, alone: leave out --versus_generate and "
+                             "--clients, and give --chat_history >= 1")
+        report_chat(args, extra, chat_turns(args, extra))
+        return
     plain = None
     if args.versus_generate:
         if args.clients not in (None, 1):
@@ -184,14 +304,7 @@ def main(argv=None):
         plain = generate_tokens_per_sec(args.checkpoint_path, PROMPTS[0], args.max_tokens, generate_flags(extra))
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        port = free_port()
-        log = tempfile.TemporaryFile()  # serve's stderr: its one line, if it stops before it is ready
-        process = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--checkpoint_path",
-                                    str(args.checkpoint_path), "--port", str(port), "--host", "127.0.0.1",
-                                    "--max_batch_size", str(batch), "--max_queue", str(MAX_CLIENTS), *extra],
-                                   stdout=subprocess.DEVNULL, stderr=log)
-        try:
-            wait_ready(port, process, timeout=600, log=log)
+        with serving(args.checkpoint_path, batch, extra) as port:
             if plain is not None:
                 answers = load(port, 1, args.seconds, args.max_tokens, PROMPTS[:1])["answers"]
                 rows.append(dict(lone_client(answers, plain), batch_size=batch))
@@ -200,10 +313,6 @@ def main(argv=None):
             row = load(port, clients, args.seconds, args.max_tokens)
             del row["answers"]
             rows.append(dict(row, batch_size=batch))
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
-            log.close()
     if plain is not None:
         report_versus_generate(args, extra, plain, rows)
         return

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
@@ -111,7 +112,6 @@ COPY_TEXT = ("The committee met on Tuesday to review the budget for the new libr
 def head_forward_costs(head, rows: list, turns: int = 30, calls: int = 20):
     """One head forward of 1 and 3 tokens (a chain's depth; a catch-up) eager against its compiled body (stored
     graphs with --compile), taking turns, best of `turns` turns of `calls` calls each."""
-    import time
     head.setup_caches(1, 512)
     compiled, dim = head.compiled, head.args.dim
     configs = {}
@@ -142,64 +142,81 @@ def real_model(args):
     and sampled; tokens per target forward; predicted speedup = tokens per target forward * plain step seconds /
     (draft seconds per step + verify seconds at the step's width), from the costs measured in this run; efficiency =
     measured / predicted speedup."""
-    import time
-    import bench_real
-    from drafthead import load_head
-    from speculate import synchronize, tree_mask
-    directory = args.checkpoint_dir
-    model_pth, head_dir = directory / "model.pth", args.draft_head or directory / "head"
-    tokenizer = get_tokenizer(directory)
-    questions = [tokenizer.chat_ids([{"role": "user", "content": q}]) for q in HELD_OUT[:args.prompts]]
-    copy = [tokenizer.chat_ids([{"role": "user", "content": f"Repeat this text exactly:\n\n{COPY_TEXT}"}])]
-    mode = "none" if args.no_compile else ("autotune" if args.autotune else "auto")
-    target = generation.load_model(model_pth)
-    eos = sorted(set(target.args.eos_token_ids) | set(tokenizer.eos_ids))  # --stop_at_eos: answers end there
-    head = compilation.compile_head(load_head(head_dir, target), "cpu", mode)
-    plain_engine = decode.compile_engine(target, "cpu", mode)
-    head_engine = decode.compile_engine(target, "cpu", mode, features=head.args.target_layers)
-    drafts = {scheme: decode.compile_engine(generation.load_model(benchlib.quantized_checkpoint(model_pth, scheme, 32)),
-                                            "cpu", mode) for scheme in ("int4", "int4-a8")}  # the model's own files
+    bench = RealModel(args)
+    cells = set(args.cells.split(","))
+    bench.run_cells(cells)
+    if "head_cost" in cells and bench.head.compiled is not None:
+        head_forward_costs(bench.head, bench.rows)
+    bench.price()
+    if "chat" in cells:
+        llama_cpp_rows(args.gguf, bench.questions, args.new_tokens, args.threads or os.cpu_count(), bench.rows)
+    columns = ["task", "temperature", "batch", "impl", "config", "tokens_per_sec", "ms", "speedup",
+               "tokens_per_target_forward", "mean_accepted", "plain_steps", "draft_ms_per_step", "predicted_speedup",
+               "efficiency", "same_as_plain"]
+    print()
+    benchlib.print_table(bench.rows, columns)
+    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": bench.rows,
+                                    "head": json.loads((Path(bench.head_dir) / "config.json").read_text()),
+                                    "settings": {k: str(v) for k, v in vars(args).items()}})
 
-    def spec(k, nodes=None, ngram=0, drafter="head"):
-        draft = drafts.get(drafter)
-        return generation.make_speculator(generation.Speculation(k, nodes, ngram), draft, target.args.block_size,
-                                          head if drafter == "head" else None)
-    rows, threads = [], args.threads or os.cpu_count()
 
-    def measure(task, sampling, prompts, configs, batch=1):
-        """configs: name -> (engine, speculator or None); timed in turns."""
-        best = {name: [float("inf")] * len(prompts) for name in configs}
-        last, draft_seconds, steps = {}, dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
+class RealModel:
+    """A real model, its draft head and its own int4 / int4-a8 copies as drafts, loaded and compiled once; the
+    rows of every cell measured on them."""
+
+    def __init__(self, args):
+        from drafthead import load_head
+        self.args, self.rows = args, []
+        directory = args.checkpoint_dir
+        model_pth, self.head_dir = directory / "model.pth", args.draft_head or directory / "head"
+        tokenizer = get_tokenizer(directory)
+        self.questions = [tokenizer.chat_ids([{"role": "user", "content": q}]) for q in HELD_OUT[:args.prompts]]
+        self.copy = [tokenizer.chat_ids([{"role": "user", "content": f"Repeat this text exactly:\n\n{COPY_TEXT}"}])]
+        mode = "none" if args.no_compile else ("autotune" if args.autotune else "auto")
+        self.target = target = generation.load_model(model_pth)
+        self.eos = sorted(set(target.args.eos_token_ids) | set(tokenizer.eos_ids))  # --stop_at_eos: answers end there
+        self.head = compilation.compile_head(load_head(self.head_dir, target), "cpu", mode)
+        self.plain_engine = decode.compile_engine(target, "cpu", mode)
+        self.head_engine = decode.compile_engine(target, "cpu", mode, features=self.head.args.target_layers)
+        self.drafts = {scheme: decode.compile_engine(generation.load_model(benchlib.quantized_checkpoint(
+            model_pth, scheme, 32)), "cpu", mode) for scheme in ("int4", "int4-a8")}  # the model's own files
+
+    def spec(self, k, nodes=None, ngram=0, drafter="head"):
+        draft = self.drafts.get(drafter)
+        return generation.make_speculator(generation.Speculation(k, nodes, ngram), draft, self.target.args.block_size,
+                                          self.head if drafter == "head" else None)
+
+    def run_cells(self, cells: set):
+        """The chat questions at each temperature, the copy task and a batch of 4, as `cells` asks."""
+        args, spec, plain_engine, head_engine = self.args, self.spec, self.plain_engine, self.head_engine
+        chains = {f"head chain K={k}": (head_engine, spec(k)) for k in args.head_depths}
+        trees = {f"head tree N={n} K={k}": (head_engine, spec(k, n)) for k, n in args.head_trees}
+        for temperature in [float(t) for t in args.temperatures.split(",")] if "chat" in cells else []:
+            sampling = decode.Sampling(temperature)
+            self.measure("chat", sampling, self.questions, {
+                "plain": (plain_engine, None), "int4 draft chain K=5": (plain_engine, spec(5, drafter="int4")),
+                "int4-a8 draft chain K=5": (plain_engine, spec(5, drafter="int4-a8")),
+                "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)), **chains, **trees,
+                "head auto": (head_engine, spec("auto", "auto"))})
+        if "copy" in cells:
+            self.measure("copy", decode.Sampling(0.0), self.copy, {
+                "plain": (plain_engine, None), "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)),
+                "3-gram auto": (plain_engine, spec("auto", "auto", 3, drafter=None)),
+                "head chain K=5": (head_engine, spec(5)), "head auto": (head_engine, spec("auto", "auto"))})
+        if "batch" in cells:
+            self.measure("chat", decode.Sampling(0.0), self.questions[:4], {
+                "plain": (plain_engine, None), "head chain K=5": (head_engine, spec(5)),
+                "head tree N=16 K=5": (head_engine, spec(5, 16)), "head auto": (head_engine, spec("auto", "auto"))},
+                batch=4)
+
+    def measure(self, task, sampling, prompts, configs, batch=1):
+        """configs: name -> (engine, speculator or None); timed in turns, a row each (the first is the baseline)."""
+        draft_seconds, steps = dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0)
         timing = [False]  # the warm-up turn's drafts (a graph loaded or built at the first) are not counted
         for name, (_, speculator) in configs.items():  # time each drafter's draft() in the timed runs
             if speculator is not None:
-                drafter, real = speculator.drafter, speculator.drafter.draft
-
-                def timed(*a, name=name, real=real, **k):
-                    t = time.perf_counter()
-                    out = real(*a, **k)
-                    if timing[0]:
-                        draft_seconds[name] += time.perf_counter() - t
-                        steps[name] += 1
-                    return out
-                drafter.draft = timed
-        for i, ids in enumerate(prompts):
-            rows_in = [ids] * batch if batch == 1 else prompts[i:i + batch]
-            if batch > 1 and len(rows_in) < batch:
-                break
-            for turn in range(args.repeats + 1):
-                timing[0] = turn > 0
-                for name, (engine, speculator) in configs.items():
-                    torch.manual_seed(turn)
-                    if speculator is not None:  # no copying the last turn's answer to the same prompt
-                        speculator.forget()
-                    t = time.perf_counter()
-                    out, stats = generation.generate(engine, rows_in if batch > 1 else torch.tensor(ids),
-                                                     args.new_tokens, sampling, eos, stop_at_eos=args.stop_at_eos,
-                                                     speculator=speculator)
-                    if turn:
-                        best[name][i] = min(best[name][i], time.perf_counter() - t)
-                    last.setdefault(name, {})[i] = (out, stats)
+                time_drafts(speculator.drafter, name, timing, draft_seconds, steps)
+        best, last = self.time_turns(sampling, prompts, configs, batch, timing)
         base = None
         for name in configs:
             timed_runs = [i for i in range(len(prompts)) if best[name][i] < float("inf")]
@@ -216,14 +233,41 @@ def real_model(args):
                     row["draft_ms_per_step"] = 1000 * draft_seconds[name] / steps[name]
             if sampling.temperature == 0:
                 row["same_as_plain"] = all(last[name][i][0] == last["plain"][i][0] for i in timed_runs)
-            rows.append(row)
+            self.rows.append(row)
             print(f"  {task} T={sampling.temperature} B={batch} {name}: {tps:.1f} tok/s x{row['speedup']:.2f}"
                   + (f", {row['tokens_per_target_forward']:.2f} tokens/target forward"
                      if "tokens_per_target_forward" in row else ""), flush=True)
 
-    def verify_seconds(width, batch=1, head_rows=False):
+    def time_turns(self, sampling, prompts, configs, batch, timing):
+        """Each prompt (batch > 1: each batch of prompts) run by every configuration in turn, a warm-up turn then
+        --repeats timed ones. Returns (best seconds per name and prompt, the last (tokens, stats) per name and
+        prompt)."""
+        args = self.args
+        best, last = {name: [float("inf")] * len(prompts) for name in configs}, {}
+        for i, ids in enumerate(prompts):
+            rows_in = [ids] * batch if batch == 1 else prompts[i:i + batch]
+            if batch > 1 and len(rows_in) < batch:
+                break
+            for turn in range(args.repeats + 1):
+                timing[0] = turn > 0
+                for name, (engine, speculator) in configs.items():
+                    torch.manual_seed(turn)
+                    if speculator is not None:  # no copying the last turn's answer to the same prompt
+                        speculator.forget()
+                    t = time.perf_counter()
+                    out, stats = generation.generate(engine, rows_in if batch > 1 else torch.tensor(ids),
+                                                     args.new_tokens, sampling, self.eos,
+                                                     stop_at_eos=args.stop_at_eos, speculator=speculator)
+                    if turn:
+                        best[name][i] = min(best[name][i], time.perf_counter() - t)
+                    last.setdefault(name, {})[i] = (out, stats)
+        return best, last
+
+    def verify_seconds(self, width, batch=1, head_rows=False):
         """One target forward of `width` tokens per row (the best of 5): plain decoding's step for width 1, else a
         verification as the loop runs it (slots and a tree mask; the features a head reads for head rows)."""
+        from speculate import synchronize, tree_mask
+        target = self.target
         target.setup_caches(batch, 512)
         x = torch.zeros(batch, width, dtype=torch.long)
         pos = torch.arange(100, 100 + width).expand(batch, width)
@@ -233,72 +277,63 @@ def real_model(args):
             t = time.perf_counter()
             with decode.sdpa_context():
                 if width == 1:
-                    plain_engine.forward(x, pos)
+                    self.plain_engine.forward(x, pos)
                 elif head_rows:
-                    head_engine.forward_features(x, pos, pos, mask)
+                    self.head_engine.forward_features(x, pos, pos, mask)
                 else:
-                    plain_engine.forward(x, pos, pos, mask)
+                    self.plain_engine.forward(x, pos, pos, mask)
             synchronize(target)
             times.append(time.perf_counter() - t)
         return min(times[1:])
 
-    chains = {f"head chain K={k}": (head_engine, spec(k)) for k in args.head_depths}
-    trees = {f"head tree N={n} K={k}": (head_engine, spec(k, n)) for k, n in args.head_trees}
-    cells = set(args.cells.split(","))
-    for temperature in [float(t) for t in args.temperatures.split(",")] if "chat" in cells else []:
-        sampling = decode.Sampling(temperature)
-        measure("chat", sampling, questions, {
-            "plain": (plain_engine, None), "int4 draft chain K=5": (plain_engine, spec(5, drafter="int4")),
-            "int4-a8 draft chain K=5": (plain_engine, spec(5, drafter="int4-a8")),
-            "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)), **chains, **trees,
-            "head auto": (head_engine, spec("auto", "auto"))})
-    if "copy" in cells:
-        measure("copy", decode.Sampling(0.0), copy, {
-            "plain": (plain_engine, None), "3-gram tree N=16 K=8": (plain_engine, spec(8, 16, 3, drafter=None)),
-            "3-gram auto": (plain_engine, spec("auto", "auto", 3, drafter=None)),
-            "head chain K=5": (head_engine, spec(5)), "head auto": (head_engine, spec("auto", "auto"))})
-    if "batch" in cells:
-        measure("chat", decode.Sampling(0.0), questions[:4], {
-            "plain": (plain_engine, None), "head chain K=5": (head_engine, spec(5)),
-            "head tree N=16 K=5": (head_engine, spec(5, 16)), "head auto": (head_engine, spec("auto", "auto"))},
-            batch=4)
-    if "head_cost" in cells and head.compiled is not None:
-        head_forward_costs(head, rows)
-    # the batches the efficiency column needs only (timing a batch no cell ran would build its graph first)
-    priced = {row["batch"] for row in rows if "draft_ms_per_step" in row and "auto" not in row["config"]}
-    plain_step = {batch: verify_seconds(1, batch) for batch in sorted(priced)}
-    for row in rows:
-        if "draft_ms_per_step" in row and "auto" not in row["config"]:
-            cost = row["draft_ms_per_step"] / 1000 + verify_seconds(row["tree_nodes"] + 1, row["batch"],
-                                                                    row["config"].startswith("head"))
+    def price(self):
+        """Predicted speedup and efficiency of the rows whose draft seconds were timed (`auto` rows aside)."""
+        # the batches the efficiency column needs only (timing a batch no cell ran would build its graph first)
+        rows = [row for row in self.rows if "draft_ms_per_step" in row and "auto" not in row["config"]]
+        plain_step = {batch: self.verify_seconds(1, batch) for batch in sorted({row["batch"] for row in rows})}
+        for row in rows:
+            cost = row["draft_ms_per_step"] / 1000 + self.verify_seconds(row["tree_nodes"] + 1, row["batch"],
+                                                                         row["config"].startswith("head"))
             row["predicted_speedup"] = row["tokens_per_target_forward"] * plain_step[row["batch"]] / cost
             row["efficiency"] = row["speedup"] / row["predicted_speedup"]
+
+
+def time_drafts(drafter, name: str, timing: list, seconds: dict, steps: dict):
+    """drafter.draft() wrapped to add its seconds and calls to seconds[name] and steps[name] while timing[0]."""
+    real = drafter.draft
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        out = real(*a, **k)
+        if timing[0]:
+            seconds[name] += time.perf_counter() - t
+            steps[name] += 1
+        return out
+    drafter.draft = timed
+
+
+def llama_cpp_rows(gguf: Path, questions: list, new_tokens: int, threads: int, rows: list):
+    """llama.cpp's plain decode of the GGUF and of its Q8_0 copy on the chat questions (second run of each timed);
+    none where llama-cpp-python is not installed."""
+    import bench_real
     try:
-        for gguf in (args.gguf, benchlib.requantized_q8_0(args.gguf)) if "chat" in cells else ():
-            run, _ = bench_real.llama_cpp_run(gguf, threads)
+        for path in (gguf, benchlib.requantized_q8_0(gguf)):
+            run, _ = bench_real.llama_cpp_run(path, threads)
             seconds = []
             for ids in questions:
-                run(ids, args.new_tokens)
+                run(ids, new_tokens)
                 t = time.perf_counter()
-                run(ids, args.new_tokens)
+                run(ids, new_tokens)
                 seconds.append(time.perf_counter() - t)
-            tps = len(questions) * args.new_tokens / sum(seconds)
+            tps = len(questions) * new_tokens / sum(seconds)
             rows.append({"task": "chat", "temperature": 0.0, "batch": 1, "impl": "llama.cpp",
-                         "config": f"plain {gguf.name.split('.')[-2]}", "tokens_per_sec": tps})
-            print(f"  llama.cpp {gguf.name}: {tps:.1f} tok/s", flush=True)
+                         "config": f"plain {path.name.split('.')[-2]}", "tokens_per_sec": tps})
+            print(f"  llama.cpp {path.name}: {tps:.1f} tok/s", flush=True)
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp rows", flush=True)
-    columns = ["task", "temperature", "batch", "impl", "config", "tokens_per_sec", "ms", "speedup",
-               "tokens_per_target_forward", "mean_accepted", "plain_steps", "draft_ms_per_step", "predicted_speedup",
-               "efficiency", "same_as_plain"]
-    print()
-    benchlib.print_table(rows, columns)
-    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "rows": rows,
-                                    "head": json.loads((Path(head_dir) / "config.json").read_text()),
-                                    "settings": {k: str(v) for k, v in vars(args).items()}})
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint_dir", type=Path, default=None, help="a real model (see above) instead of the pair")
     p.add_argument("--draft_head", type=Path, default=None, help="the head's directory (default CHECKPOINT_DIR/head)")
@@ -336,113 +371,149 @@ def main(argv=None):
                         "head forward eager against compiled)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/speculative.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count())
     torch._dynamo.config.cache_size_limit = 64
     if args.checkpoint_dir is not None:
         if args.json == ROOT / "bench_results/speculative.json":
             args.json = ROOT / "bench_results/speculative_real.json"
         return real_model(args)
-    compile_ = not args.no_compile
-    target_pth, draft_pth = args.pair / "target/model.pth", args.pair / "draft/model.pth"
-    for path in (target_pth, draft_pth):
-        if not path.is_file():
-            sys.exit(f"error: {path} not found: train the pair with python scripts/train_tiny.py --out_dir {args.pair}")
+    return tiny_pair(args)
 
-    precision = decode.PRECISIONS[args.precision]
-    target = generation.load_model(target_pth, precision=precision)
-    draft = generation.load_model(draft_pth, precision=precision)
-    tokenizer = get_tokenizer(args.pair / "target")
-    files, code_prompts, copy_prompts = load_prompts(args.pair, tokenizer, args.prompts, args.prompt_tokens,
-                                                     args.copy_tokens)
-    print(f"prompts from {', '.join(f.name for f in files)}", flush=True)
-    mode = ("autotune" if args.autotune else "auto") if compile_ else "none"  # of the target and every draft
-    engine = decode.compile_engine(target, "cpu", mode)
-    draft_engine = decode.compile_engine(draft, "cpu", mode)
 
-    int8_draft = generation.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"), precision=precision)
-    draft_engines = {draft: draft_engine, None: None}  # draft model -> its engine, compiled once, on first use
-
-    sizes = [int(v) for v in args.tree_nodes.split(",")]
-    k, nodes, n = args.k, sizes[0], args.ngram
-    code_configs = {**{f"chain K={depth}": (draft, depth, None, 0) for depth in sorted({k, *args.chain_depths})},
-                    **{f"tree N={size} K={k}": (draft, k, size, 0) for size in sizes},
-                    f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n),
-                    "chain K=auto": (draft, "auto", None, 0), f"chain K={k}, int8 draft": (int8_draft, k, None, 0),
-                    f"{n}-gram tree N={nodes} K={k} (no draft)": (None, k, nodes, n)}
-    copy_configs = {} if args.no_copy else {  # draft-free n-gram drafting (and the draft model's, for reference)
-        f"{n}-gram tree N={args.ngram_nodes} K={args.ngram_k}": (None, args.ngram_k, args.ngram_nodes, n),
-        f"{n}-gram chain K={args.ngram_k}": (None, args.ngram_k, None, n),
-        f"chain K={k}": (draft, k, None, 0),
-        f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n)}
+def tiny_pair(args):
+    """The pair's configurations on code prompts at each temperature (transformers plain and assisted beside them)
+    and on the copy task, against our plain decode."""
+    bench = Pair(args)
+    code_configs, copy_configs = bench.configs()
     benchlib.pick({**code_configs, **copy_configs}, args.only)  # a name matching none: refused before any timing
-    rows = []
-    greedy = decode.Sampling(0.0)
-    speeds = benchlib.time_interleaved(engine, {"target": None}, code_prompts, args.new_tokens, greedy, args.repeats)
-    speeds.update(benchlib.time_interleaved(draft_engine, {"draft": None}, code_prompts, args.new_tokens, greedy,
-                                            args.repeats))
-    plain_tps, draft_tps = speeds["target"][0], speeds["draft"][0]
-    cost = plain_tps / draft_tps  # c: one draft forward / one target forward, from their plain decodes
-    print(f"plain decode: target {plain_tps:.1f} tok/s, draft {draft_tps:.1f} tok/s (c = {cost:.3f})", flush=True)
+    plain_tps, draft_tps = bench.plain_speeds()
     hf_target = hf_draft = None
     if not args.no_transformers:
-        hf_target, hf_draft = (benchlib.hf_model(args.pair / name, dtype=precision) for name in ("target", "draft"))
+        hf_target, hf_draft = (benchlib.hf_model(args.pair / name, dtype=bench.precision)
+                               for name in ("target", "draft"))
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        base_tps = bench.measure("code", temperature, bench.code_prompts, code_configs)
+        if hf_target is not None:
+            bench.transformers_rows(temperature, base_tps, hf_target, hf_draft)
+    if copy_configs:
+        bench.measure("copy", 0.0, bench.copy_prompts, copy_configs)
+    columns = ["task", "temperature", "impl", "config", "tokens_per_sec", "speedup", "tokens_per_target_forward",
+               "mean_accepted", "acceptance_rate", "alpha", "c", "predicted_speedup", "efficiency", "same_as_plain"]
+    print()
+    benchlib.print_table(bench.rows, columns)
+    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "c": bench.cost,
+                                    "plain_target_tps": plain_tps, "plain_draft_tps": draft_tps,
+                                    "prompt_files": [str(f) for f in bench.files],
+                                    "settings": {k: str(v) for k, v in vars(args).items()}, "rows": bench.rows})
 
-    def measure(task, temperature, prompts, configs):
-        """configs: name -> (draft model or None, K, tree nodes or None, n-gram n or 0); plus plain decoding."""
-        sampling = decode.Sampling(temperature)
+
+class Pair:
+    """train_tiny.py's target and draft (and an int8 copy of the draft), their prompts, compiled once; the rows of
+    every table measured on them."""
+
+    def __init__(self, args):
+        self.args, self.rows = args, []
+        target_pth, draft_pth = args.pair / "target/model.pth", args.pair / "draft/model.pth"
+        for path in (target_pth, draft_pth):
+            if not path.is_file():
+                sys.exit(f"error: {path} not found: train the pair with python scripts/train_tiny.py --out_dir "
+                         f"{args.pair}")
+        self.precision = precision = decode.PRECISIONS[args.precision]
+        target = generation.load_model(target_pth, precision=precision)
+        self.draft = generation.load_model(draft_pth, precision=precision)
+        tokenizer = get_tokenizer(args.pair / "target")
+        self.files, self.code_prompts, self.copy_prompts = load_prompts(args.pair, tokenizer, args.prompts,
+                                                                        args.prompt_tokens, args.copy_tokens)
+        print(f"prompts from {', '.join(f.name for f in self.files)}", flush=True)
+        # of the target and every draft
+        self.mode = ("autotune" if args.autotune else "auto") if not args.no_compile else "none"
+        self.engine = decode.compile_engine(target, "cpu", self.mode)
+        self.draft_engine = decode.compile_engine(self.draft, "cpu", self.mode)
+        self.int8_draft = generation.load_model(benchlib.quantized_checkpoint(draft_pth, "int8"), precision=precision)
+        self.draft_engines = {self.draft: self.draft_engine, None: None}  # draft model -> its engine, on first use
+
+    def configs(self) -> tuple:
+        """The code prompts' configurations and the copy task's: name -> (draft model or None, K, tree nodes or
+        None, n-gram n or 0)."""
+        args, draft = self.args, self.draft
+        sizes = [int(v) for v in args.tree_nodes.split(",")]
+        k, nodes, n = args.k, sizes[0], args.ngram
+        code = {**{f"chain K={depth}": (draft, depth, None, 0) for depth in sorted({k, *args.chain_depths})},
+                **{f"tree N={size} K={k}": (draft, k, size, 0) for size in sizes},
+                f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n),
+                "chain K=auto": (draft, "auto", None, 0), f"chain K={k}, int8 draft": (self.int8_draft, k, None, 0),
+                f"{n}-gram tree N={nodes} K={k} (no draft)": (None, k, nodes, n)}
+        copy = {} if args.no_copy else {  # draft-free n-gram drafting (and the draft model's, for reference)
+            f"{n}-gram tree N={args.ngram_nodes} K={args.ngram_k}": (None, args.ngram_k, args.ngram_nodes, n),
+            f"{n}-gram chain K={args.ngram_k}": (None, args.ngram_k, None, n),
+            f"chain K={k}": (draft, k, None, 0),
+            f"tree N={nodes} K={k} + {n}-gram lookups": (draft, k, nodes, n)}
+        return code, copy
+
+    def plain_speeds(self) -> tuple:
+        """Target's and draft's plain decode on the code prompts (tokens/s); sets `cost`, c: one draft forward / one
+        target forward."""
+        args, greedy = self.args, decode.Sampling(0.0)
+        speeds = benchlib.time_interleaved(self.engine, {"target": None}, self.code_prompts, args.new_tokens, greedy,
+                                           args.repeats)
+        speeds.update(benchlib.time_interleaved(self.draft_engine, {"draft": None}, self.code_prompts,
+                                                args.new_tokens, greedy, args.repeats))
+        plain_tps, draft_tps = speeds["target"][0], speeds["draft"][0]
+        self.cost = plain_tps / draft_tps
+        print(f"plain decode: target {plain_tps:.1f} tok/s, draft {draft_tps:.1f} tok/s (c = {self.cost:.3f})",
+              flush=True)
+        return plain_tps, draft_tps
+
+    def measure(self, task, temperature, prompts, configs):
+        """configs: name -> (draft model or None, K, tree nodes or None, n-gram n or 0); plus plain decoding.
+        Returns plain decoding's tokens/s."""
+        args, sampling = self.args, decode.Sampling(temperature)
         if args.only:
             configs = {name: c for name, c in configs.items() if name in args.only.split(",")}
         speculators = {"plain": None}
         for name, (model, k, nodes, ngram) in configs.items():
-            if model not in draft_engines:
-                draft_engines[model] = decode.compile_engine(model, "cpu", mode)
-            speculators[name] = speculator_for(draft_engines[model], k, nodes, ngram)
-        results = benchlib.time_interleaved(engine, speculators, prompts, args.new_tokens, sampling, args.repeats)
+            if model not in self.draft_engines:
+                self.draft_engines[model] = decode.compile_engine(model, "cpu", self.mode)
+            speculators[name] = speculator_for(self.draft_engines[model], k, nodes, ngram)
+        results = benchlib.time_interleaved(self.engine, speculators, prompts, args.new_tokens, sampling,
+                                            args.repeats)
         base_tps, base_runs = results["plain"]
-        rows.append({"task": task, "temperature": temperature, "impl": "ours", "config": "plain",
-                     "tokens_per_sec": base_tps, "speedup": 1.0})
+        self.rows.append({"task": task, "temperature": temperature, "impl": "ours", "config": "plain",
+                          "tokens_per_sec": base_tps, "speedup": 1.0})
         for name, (model, k, nodes, ngram) in configs.items():
             tps, runs = results[name]
             row = {"task": task, "temperature": temperature, "impl": "ours", "config": name,
                    "tokens_per_sec": tps, "speedup": tps / base_tps, **merge_stats(runs)}
             if temperature == 0:
                 row["same_as_plain"] = all(a == b for (a, _), (b, _) in zip(runs, base_runs))
-            if name == f"chain K={k}" and isinstance(k, int) and model is draft:
-                row["alpha"], row["predicted_speedup"] = leviathan(row["tokens_per_target_forward"], k, cost)
-                row["c"] = cost
+            if name == f"chain K={k}" and isinstance(k, int) and model is self.draft:
+                row["alpha"], row["predicted_speedup"] = leviathan(row["tokens_per_target_forward"], k, self.cost)
+                row["c"] = self.cost
                 row["efficiency"] = row["speedup"] / row["predicted_speedup"]
-            rows.append(row)
+            self.rows.append(row)
             print(f"  {task} T={temperature} {name}: {tps:.1f} tok/s, x{row['speedup']:.2f}, "
                   f"{row['tokens_per_target_forward']:.2f} tokens/target forward", flush=True)
         return base_tps
 
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
-        base_tps = measure("code", temperature, code_prompts, code_configs)
-        if hf_target is not None:
-            hf_kwargs = {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
-            for name, assistant in (("transformers", None), ("transformers assisted", hf_draft)):
-                tps = 0.0
-                for prompt in code_prompts:
-                    t, _ = benchlib.time_transformers(hf_target, prompt, args.new_tokens, assistant,
-                                                      args.repeats, **hf_kwargs)
-                    tps += 1 / t
-                tps = len(code_prompts) / tps
-                rows.append({"task": "code", "temperature": temperature, "impl": "transformers", "config": name,
-                             "tokens_per_sec": tps, "speedup": tps / base_tps})
-                print(f"  code T={temperature} {name}: {tps:.1f} tok/s", flush=True)
-
-    if copy_configs:
-        measure("copy", 0.0, copy_prompts, copy_configs)
-
-    columns = ["task", "temperature", "impl", "config", "tokens_per_sec", "speedup", "tokens_per_target_forward",
-               "mean_accepted", "acceptance_rate", "alpha", "c", "predicted_speedup", "efficiency", "same_as_plain"]
-    print()
-    benchlib.print_table(rows, columns)
-    benchlib.write_json(args.json, {"machine": benchlib.machine(), "command": sys.argv, "c": cost,
-                                    "plain_target_tps": plain_tps, "plain_draft_tps": draft_tps,
-                                    "prompt_files": [str(f) for f in files],
-                                    "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+    def transformers_rows(self, temperature, base_tps, hf_target, hf_draft):
+        """transformers' generate() on the code prompts, plain and assisted by the draft."""
+        args = self.args
+        hf_kwargs = {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
+        for name, assistant in (("transformers", None), ("transformers assisted", hf_draft)):
+            tps = 0.0
+            for prompt in self.code_prompts:
+                t, _ = benchlib.time_transformers(hf_target, prompt, args.new_tokens, assistant, args.repeats,
+                                                  **hf_kwargs)
+                tps += 1 / t
+            tps = len(self.code_prompts) / tps
+            self.rows.append({"task": "code", "temperature": temperature, "impl": "transformers", "config": name,
+                              "tokens_per_sec": tps, "speedup": tps / base_tps})
+            print(f"  code T={temperature} {name}: {tps:.1f} tok/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Reads config.json and the weights (`*.safetensors` shards, with or without their
 in Hugging Face form (benchmarks run transformers on our weights through it).
 """
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -230,15 +231,15 @@ def export_hf(checkpoint_dir, out_dir) -> Path:
     if isinstance(ours.get("quantization"), dict):
         raise UserError(f"{weights} is quantized; export the unquantized model.pth instead")
     hf = {k: v.contiguous().clone() for k, v in ours_to_hf(ours, args).items()}  # safetensors wants owned tensors
-    out_dir.mkdir(parents=True, exist_ok=True)
     config = args.to_hf_config()
     config["torch_dtype"] = config["dtype"] = str(hf["model.embed_tokens.weight"].dtype).removeprefix("torch.")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    files = {"config.json": lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"),
+             "model.safetensors": lambda tmp: save_file(hf, str(tmp), metadata={"format": "pt"})}
     for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "generation_config.json"):
         if (checkpoint_dir / name).is_file() and checkpoint_dir.resolve() != out_dir.resolve():
-            shutil.copyfile(checkpoint_dir / name, out_dir / name)
+            files[name] = functools.partial(shutil.copyfile, checkpoint_dir / name)
+    write_files_atomically(out_dir, files)
     return out_dir
 
 

@@ -399,21 +399,11 @@ def start_from_block(head, target):
 
 
 def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
+    """The head trained on `data` for --epochs or --max_minutes, whichever ends first (resuming from work/state.pt,
+    saved every two minutes); returns it with its figures, its top-1 per depth on held-out answers among them."""
     import torch
     from tqdm import tqdm
-    import drafthead
-    head_args = drafthead.HeadArgs.for_target(target, len(vocab))
-    head = drafthead.DraftHead(head_args).attach(target)
-    torch.manual_seed(args.seed)
-    for name, p in head.named_parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
-    with torch.no_grad():  # start from the target's own output layer on the draft vocabulary
-        head.output.weight.copy_(target.output.weight[vocab].float())
-        head.norm.weight.copy_(target.norm.weight.float())
-        head.token_ids.copy_(vocab)
-    if args.init == "block":
-        start_from_block(head, target)
+    head = new_head(target, vocab, args)
     head.setup_caches(1, max(len(t) for t in data["tokens"]) + 1)
     to_draft = torch.full((target.args.vocab_size,), -1, dtype=torch.long)
     to_draft[vocab] = torch.arange(len(vocab))
@@ -467,6 +457,36 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
             write_atomically(state_path, lambda tmp: torch.save(state, tmp))
             last_save = time.perf_counter()
     bar.close()
+    accuracy = heldout_accuracy(head, data, to_draft, held, args)
+    tenth = max(1, len(losses) // 10)
+    return head, {"steps": step, "epochs": step / per_epoch, "train_seconds": time.perf_counter() - started,
+                  "loss_first_tenth": sum(losses[:tenth]) / tenth, "loss_last_tenth": sum(losses[-tenth:]) / tenth,
+                  "heldout_top1_per_depth": accuracy, "heldout_conversations": len(held)}
+
+
+def new_head(target, vocab, args):
+    """A head for `target` drafting `vocab`, before training: small random weights, the target's own output layer
+    on the draft vocabulary, and (--init block) its layer started as the target's top feature block."""
+    import torch
+    import drafthead
+    head_args = drafthead.HeadArgs.for_target(target, len(vocab))
+    head = drafthead.DraftHead(head_args).attach(target)
+    torch.manual_seed(args.seed)
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    with torch.no_grad():  # start from the target's own output layer on the draft vocabulary
+        head.output.weight.copy_(target.output.weight[vocab].float())
+        head.norm.weight.copy_(target.norm.weight.float())
+        head.token_ids.copy_(vocab)
+    if args.init == "block":
+        start_from_block(head, target)
+    return head
+
+
+def heldout_accuracy(head, data: dict, to_draft, held: list, args) -> list:
+    """The trained head's top-1 accuracy per drafting depth on the held-out conversations."""
+    import torch
     head.eval()
     with torch.no_grad():
         hits, counted = [0] * args.ttt_steps, [0] * args.ttt_steps
@@ -475,14 +495,10 @@ def train(target, data: dict, vocab, out: Path, work: Path, args) -> dict:
                 _, h, c = ttt_loss(head, batch, args.ttt_steps)
             hits = [a + b for a, b in zip(hits, h)]
             counted = [a + b for a, b in zip(counted, c)]
-    accuracy = [h / max(c, 1) for h, c in zip(hits, counted)]
-    tenth = max(1, len(losses) // 10)
-    return head, {"steps": step, "epochs": step / per_epoch, "train_seconds": time.perf_counter() - started,
-                  "loss_first_tenth": sum(losses[:tenth]) / tenth, "loss_last_tenth": sum(losses[-tenth:]) / tenth,
-                  "heldout_top1_per_depth": accuracy, "heldout_conversations": len(held)}
+    return [h / max(c, 1) for h, c in zip(hits, counted)]
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="the target checkpoint (model.pth)")
     parser.add_argument("--out", type=Path, required=True, help="directory for the head (config.json, "
@@ -510,7 +526,11 @@ def main(argv=None):
                         help="the head's layer starts as the target's block at the highest feature layer (learns "
                              "faster in the same minutes, BENCHMARKS.md) or from random weights")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> list:
+    """The flags checked before anything loads; returns the --text files' texts."""
     for name in ("prompts", "max_new_tokens", "batch_size", "draft_vocab", "top_k", "ttt_steps", "train_batch",
                  "max_len"):
         if getattr(args, name) < 1:
@@ -531,22 +551,51 @@ def main(argv=None):
             texts.append(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read `text` {path} ({e}): pass a UTF-8 text file") from None
+    return texts
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    texts = check_args(args)
     import torch
-    import drafthead
-    import quantize
-    from generation import load_model
-    from kernels import use_fast_weight_layout
     from tokenizer import get_tokenizer
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    target = load_model(args.checkpoint_path)
-    if any(isinstance(m, (quantize.Int8Linear, quantize.Int4Linear)) for m in target.modules()):
-        raise UserError(f"{args.checkpoint_path} is a quantized file: train the head on the float checkpoint "
-                        f"(model.pth); the head drafts for the quantized files of the same model too")
+    target = load_target(args.checkpoint_path)
     work = args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    use_fast_weight_layout(target)  # products of batch_size rows on oneDNN-packed weights
     tokenizer = get_tokenizer(args.checkpoint_path.parent)
+    data = distilled_answers(target, tokenizer, texts, work, args)
+    distilled = time.perf_counter()
+    if args.text_chars > 0:
+        add_forced_text(data, target, tokenizer, texts, work, args)
+    vocab = draft_vocabulary(data, args.draft_vocab, target.args.vocab_size)
+    forced_done = time.perf_counter()
+    head, stats = train(target, data, vocab, args.out, work, args)
+    stats.update({"target": str(args.checkpoint_path), **data_figures(data), "draft_vocab": len(vocab),
+                  "ttt_steps": args.ttt_steps, "distill_seconds": distilled - started,
+                  "text_forced_seconds": forced_done - distilled, "total_seconds": time.perf_counter() - started})
+    save(head, stats, args.out)
+    return stats
+
+
+def load_target(checkpoint_path: Path):
+    """The float target, its weights laid out for batched products; a quantized file is refused."""
+    import quantize
+    from generation import load_model
+    from kernels import use_fast_weight_layout
+    target = load_model(checkpoint_path)
+    if any(isinstance(m, (quantize.Int8Linear, quantize.Int4Linear)) for m in target.modules()):
+        raise UserError(f"{checkpoint_path} is a quantized file: train the head on the float checkpoint "
+                        f"(model.pth); the head drafts for the quantized files of the same model too")
+    use_fast_weight_layout(target)  # products of batch_size rows on oneDNN-packed weights
+    return target
+
+
+def distilled_answers(target, tokenizer, texts: list, work: Path, args) -> dict:
+    """The target's own answers to --prompts prompts (as in a chat where the checkpoint has a template), with its
+    features and top-k probabilities at every position."""
+    import drafthead
     eos = set(target.args.eos_token_ids) | set(tokenizer.eos_ids)
     chat = tokenizer.chat_template is not None  # answers as the target gives them in a chat
     prompts = make_prompts(args.prompts, texts, args.seed, args.chat_share)
@@ -555,33 +604,40 @@ def main(argv=None):
     layers = drafthead.HeadArgs.for_target(target, 1).target_layers
     data = distill(target, ids, work, args.max_new_tokens, args.batch_size, eos, layers, args.top_k, args.seed)
     data["forced"] = [False] * len(data["tokens"])
-    distilled = time.perf_counter()
-    if args.text_chars > 0:
-        passages = prose_passages(texts, args.text_chars, random.Random(args.seed + 2))
-        extra = forced_conversations(target, tokenizer, passages, chat, random.Random(args.seed + 3), args.max_len)
-        extra = features(target, layers, extra, work / "forced.pt", args.top_k)
-        for key in ("tokens", "prompt_len", "features", "top_ids", "top_probs"):
-            data[key] += extra[key]
-        data["forced"] += [True] * len(extra["tokens"])
-    vocab = draft_vocabulary(data, args.draft_vocab, target.args.vocab_size)
-    forced_done = time.perf_counter()
-    head, stats = train(target, data, vocab, args.out, work, args)
+    return data
+
+
+def add_forced_text(data: dict, target, tokenizer, texts: list, work: Path, args):
+    """--text_chars of prose as text-forced conversations, their features and probabilities added to `data`."""
+    import drafthead
+    chat = tokenizer.chat_template is not None
+    layers = drafthead.HeadArgs.for_target(target, 1).target_layers
+    passages = prose_passages(texts, args.text_chars, random.Random(args.seed + 2))
+    extra = forced_conversations(target, tokenizer, passages, chat, random.Random(args.seed + 3), args.max_len)
+    extra = features(target, layers, extra, work / "forced.pt", args.top_k)
+    for key in ("tokens", "prompt_len", "features", "top_ids", "top_probs"):
+        data[key] += extra[key]
+    data["forced"] += [True] * len(extra["tokens"])
+
+
+def data_figures(data: dict) -> dict:
+    """How many conversations, distilled answer tokens and text-forced tokens `data` holds."""
     forced = data["forced"]
-    answer_tokens = sum(len(t) - n for t, n, f in zip(data["tokens"], data["prompt_len"], forced) if not f)
-    text_tokens = sum(len(t) - n for t, n, f in zip(data["tokens"], data["prompt_len"], forced) if f)
-    stats.update({"target": str(args.checkpoint_path), "conversations": len(data["tokens"]),
-                  "answer_tokens": answer_tokens, "text_forced_tokens": text_tokens, "draft_vocab": len(vocab),
-                  "ttt_steps": args.ttt_steps,
-                  "distill_seconds": distilled - started, "text_forced_seconds": forced_done - distilled,
-                  "total_seconds": time.perf_counter() - started})
+    return {"conversations": len(data["tokens"]),
+            "answer_tokens": sum(len(t) - n for t, n, f in zip(data["tokens"], data["prompt_len"], forced) if not f),
+            "text_forced_tokens": sum(len(t) - n for t, n, f in zip(data["tokens"], data["prompt_len"], forced) if f)}
+
+
+def save(head, stats: dict, out: Path):
+    """The head (recording what it was trained on) and train_stats.json in `out`."""
+    import drafthead
     head.args.trained_for = {k: stats[k] for k in ("target", "conversations", "answer_tokens", "text_forced_tokens",
                                                    "steps")}
-    drafthead.save_head(head, args.out)
-    write_atomically(args.out / "train_stats.json", lambda tmp: tmp.write_text(json.dumps(stats, indent=1) + "\n"))
-    print(f"wrote {args.out} in {stats['total_seconds'] / 60:.1f} min: {answer_tokens} distilled answer tokens, "
-          f"{text_tokens} text-forced tokens, "
+    drafthead.save_head(head, out)
+    write_atomically(out / "train_stats.json", lambda tmp: tmp.write_text(json.dumps(stats, indent=1) + "\n"))
+    print(f"wrote {out} in {stats['total_seconds'] / 60:.1f} min: {stats['answer_tokens']} distilled answer tokens, "
+          f"{stats['text_forced_tokens']} text-forced tokens, "
           f"held-out top-1 per depth " + ", ".join(f"{a:.2f}" for a in stats["heldout_top1_per_depth"]))
-    return stats
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from errors import UserError, interruptible_imports, run_cli, write_atomically  # noqa: E402
+from errors import UserError, interruptible_imports, run_cli, write_atomically, write_files_atomically  # noqa: E402
 
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import sentencepiece  # noqa: E402
@@ -382,12 +382,12 @@ def greedy_agreement(target, draft, stream, newline_id: int, preset: Preset, dev
 # ---------------------------------------------------------------------------------------------- main
 
 def save_checkpoint(directory: Path, args: ModelArgs, model: Transformer, tokenizer_bytes: bytes):
-    directory.mkdir(parents=True, exist_ok=True)
     config = json.dumps(args.to_hf_config(), indent=2) + "\n"
-    write_atomically(directory / "config.json", lambda tmp: tmp.write_text(config))
-    write_atomically(directory / "tokenizer.model", lambda tmp: tmp.write_bytes(tokenizer_bytes))
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    write_atomically(directory / "model.pth", lambda tmp: torch.save(state, tmp))
+    write_files_atomically(directory, {  # one set: a new tokenizer beside old weights would be garbage
+        "config.json": lambda tmp: tmp.write_text(config),
+        "tokenizer.model": lambda tmp: tmp.write_bytes(tokenizer_bytes),
+        "model.pth": lambda tmp: torch.save(state, tmp)})
 
 
 def parse_args(argv=None):
@@ -433,10 +433,38 @@ def main(argv=None) -> dict:
 
 def run(settings, preset: Preset) -> dict:
     t_start = time.perf_counter()
-
-    root, corpus = load_corpus(settings.text_dir, preset.max_chars)
-    train_corpus, heldout_corpus = split_heldout(corpus)
     out = settings.out_dir
+    text = prepare_text(settings.text_dir, preset, out, t_start)
+    configs = {name: ModelArgs(**getattr(preset, name), vocab_size=text.tokenizer.vocab_size(),
+                               block_size=2 * preset.seq_len, bos_token_id=BOS_ID, eos_token_ids=[EOS_ID])
+               for name in ("target", "draft")}
+    seconds, continuations = train_pair(settings, preset, text, configs, out)
+    other_tokenizer, configs["draft_othertok"], seconds["draft_othertok"] = train_othertok(
+        settings, preset, text, continuations, out)
+    stats = evaluate(settings, preset, text, other_tokenizer, configs, seconds, out)
+    stats["seconds"] = time.perf_counter() - t_start
+    write_atomically(out / "train_stats.json", lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
+    report(stats, preset, out)
+    return stats
+
+
+@dataclass
+class Text:
+    """The text the models learn from, its held-out files apart, and the target's tokenizer over both."""
+    root: Path
+    train_corpus: list
+    heldout_corpus: list
+    tokenizer_bytes: bytes
+    tokenizer: sentencepiece.SentencePieceProcessor
+    train_stream: list
+    heldout_stream: list
+
+
+def prepare_text(text_dir, preset: Preset, out: Path, t_start: float) -> Text:
+    """The corpus read and split, the tokenizer trained on its training part, the held-out files listed in
+    out/heldout_files.txt; too little text is refused."""
+    root, corpus = load_corpus(text_dir, preset.max_chars)
+    train_corpus, heldout_corpus = split_heldout(corpus)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_bytes = train_tokenizer(train_corpus, preset.vocab_size, preset.tokenizer_chars)
     tokenizer = sentencepiece.SentencePieceProcessor(model_proto=tokenizer_bytes)
@@ -449,65 +477,73 @@ def run(settings, preset: Preset) -> dict:
     log(f"text: {len(train_corpus)} files ({len(train_stream)} tokens) for training, {len(heldout_corpus)} "
         f"held out ({len(heldout_stream)} tokens) from {root}; vocab {tokenizer.vocab_size()}; "
         f"{time.perf_counter() - t_start:.1f}s")
+    return Text(root, train_corpus, heldout_corpus, tokenizer_bytes, tokenizer, train_stream, heldout_stream)
 
-    configs, seconds = {}, {}
-    for name, seed_offset in (("target", 0), ("draft", 1)):
-        configs[name] = ModelArgs(**getattr(preset, name), vocab_size=tokenizer.vocab_size(),
-                                  block_size=2 * preset.seq_len, bos_token_id=BOS_ID, eos_token_ids=[EOS_ID])
 
+def train_pair(settings, preset: Preset, text: Text, configs: dict, out: Path) -> tuple:
+    """The target trained, then the draft distilled from it, each saved; then the target's continuations of
+    training windows (the text draft_othertok imitates). Returns ({name: train seconds}, the continuations)."""
+    seconds = {}
     target = build_model(configs["target"], settings.seed).to(settings.device)
     log(f"target: {param_count(target) / 1e6:.2f}M parameters, {preset.target_steps} steps")
-    seconds["target"] = train(target, train_stream, preset, preset.target_steps, preset.target_lr,
+    seconds["target"] = train(target, text.train_stream, preset, preset.target_steps, preset.target_lr,
                               settings.seed, settings, "target")
-    save_checkpoint(out / "target", configs["target"], target, tokenizer_bytes)
+    save_checkpoint(out / "target", configs["target"], target, text.tokenizer_bytes)
 
     draft = build_model(configs["draft"], settings.seed + 1).to(settings.device)
     log(f"draft: {param_count(draft) / 1e6:.2f}M parameters, {preset.draft_steps} steps distilled from the target")
     target.eval()
-    seconds["draft"] = train(draft, train_stream, preset, preset.draft_steps, preset.draft_lr,
+    seconds["draft"] = train(draft, text.train_stream, preset, preset.draft_steps, preset.draft_lr,
                              settings.seed + 1, settings, "draft", teacher=target)
-    save_checkpoint(out / "draft", configs["draft"], draft, tokenizer_bytes)
+    save_checkpoint(out / "draft", configs["draft"], draft, text.tokenizer_bytes)
     started = time.perf_counter()
-    continuations = target_continuations(target, train_stream, preset, settings.device, settings.seed + 3)
+    continuations = target_continuations(target, text.train_stream, preset, settings.device, settings.seed + 3)
     seconds["target_continuations"] = time.perf_counter() - started
     log(f"target: continued {len(continuations)} training-text windows by {preset.imitate_tokens} tokens each "
         f"(for draft_othertok) in {seconds['target_continuations']:.0f}s")
-    del target, draft
+    return seconds, continuations
 
-    # a draft with a tokenizer of its own, for cross-tokenizer speculation (crossdraft.py): 3/4 of the target's
-    # vocabulary, learned from the same text with digits kept together, so many strings split differently; a
-    # language model on its own token stream and on the target's continuations (its distribution cannot be
-    # distilled token by token across vocabularies, its text can)
-    other_bytes = train_tokenizer(train_corpus, preset.vocab_size * 3 // 4, preset.tokenizer_chars, split_digits=False)
+
+def train_othertok(settings, preset: Preset, text: Text, continuations: list, out: Path) -> tuple:
+    """A draft with a tokenizer of its own, for cross-tokenizer speculation (crossdraft.py): 3/4 of the target's
+    vocabulary, learned from the same text with digits kept together, so many strings split differently; a
+    language model on its own token stream and on the target's continuations (its distribution cannot be
+    distilled token by token across vocabularies, its text can). Returns (its tokenizer, config, train seconds)."""
+    other_bytes = train_tokenizer(text.train_corpus, preset.vocab_size * 3 // 4, preset.tokenizer_chars,
+                                  split_digits=False)
     other_tokenizer = sentencepiece.SentencePieceProcessor(model_proto=other_bytes)
-    other_stream = token_stream(other_tokenizer, train_corpus)
-    configs["draft_othertok"] = ModelArgs(**preset.draft, vocab_size=other_tokenizer.vocab_size(),
-                                          block_size=2 * preset.seq_len, bos_token_id=BOS_ID, eos_token_ids=[EOS_ID])
-    other = build_model(configs["draft_othertok"], settings.seed + 2).to(settings.device)
+    other_stream = token_stream(other_tokenizer, text.train_corpus)
+    config = ModelArgs(**preset.draft, vocab_size=other_tokenizer.vocab_size(), block_size=2 * preset.seq_len,
+                       bos_token_id=BOS_ID, eos_token_ids=[EOS_ID])
+    other = build_model(config, settings.seed + 2).to(settings.device)
     log(f"draft_othertok: {param_count(other) / 1e6:.2f}M parameters, its own {other_tokenizer.vocab_size()}-token "
         f"vocabulary, {preset.draft_steps} steps, {preset.distill_weight:.0%} of the windows from the target's text")
-    imitate = retokenize(continuations, tokenizer, other_tokenizer)
-    seconds["draft_othertok"] = train(other, other_stream, preset, preset.draft_steps, preset.draft_lr,
-                                      settings.seed + 2, settings, "draft_othertok", imitate=imitate)
-    save_checkpoint(out / "draft_othertok", configs["draft_othertok"], other, other_bytes)
-    del other
+    imitate = retokenize(continuations, text.tokenizer, other_tokenizer)
+    seconds = train(other, other_stream, preset, preset.draft_steps, preset.draft_lr, settings.seed + 2, settings,
+                    "draft_othertok", imitate=imitate)
+    save_checkpoint(out / "draft_othertok", config, other, other_bytes)
+    return other_tokenizer, config, seconds
 
-    # evaluate what was written, in fp32, as generate.py will load it
+
+def evaluate(settings, preset: Preset, text: Text, other_tokenizer, configs: dict, seconds: dict, out: Path) -> dict:
+    """What was written, evaluated in fp32 as generate.py will load it: held-out losses, the draft's agreement
+    with the target (greedy and teacher-forced). Returns the run's stats (train_stats.json)."""
     target, draft = load_checkpoint(out / "target", settings.device), load_checkpoint(out / "draft", settings.device)
-    losses, forced_agreement = heldout_eval(target, draft, heldout_stream, preset, settings.device)
-    newline_id = tokenizer.piece_to_id("\n")
-    agreement = greedy_agreement(target, draft, heldout_stream, newline_id, preset, settings.device)
+    losses, forced_agreement = heldout_eval(target, draft, text.heldout_stream, preset, settings.device)
+    newline_id = text.tokenizer.piece_to_id("\n")
+    agreement = greedy_agreement(target, draft, text.heldout_stream, newline_id, preset, settings.device)
+    vocab_size = text.tokenizer.vocab_size()
     stats = {
         "preset": settings.preset, "seed": settings.seed, "precision": settings.precision,
-        "text_dir": str(root), "train_files": len(train_corpus), "heldout_files": len(heldout_corpus),
-        "train_tokens": len(train_stream), "heldout_tokens": len(heldout_stream),
-        "vocab_size": tokenizer.vocab_size(), "uniform_loss": math.log(tokenizer.vocab_size()),
+        "text_dir": str(text.root), "train_files": len(text.train_corpus), "heldout_files": len(text.heldout_corpus),
+        "train_tokens": len(text.train_stream), "heldout_tokens": len(text.heldout_stream),
+        "vocab_size": vocab_size, "uniform_loss": math.log(vocab_size),
         "greedy_agreement": agreement, "teacher_forced_agreement": forced_agreement,
         "agreement_prompts": preset.prompts, "agreement_new_tokens": preset.new_tokens,
         "preset_settings": asdict(preset),
     }
     other = load_checkpoint(out / "draft_othertok", settings.device)
-    losses["draft_othertok"] = heldout_loss(other, token_stream(other_tokenizer, heldout_corpus), preset,
+    losses["draft_othertok"] = heldout_loss(other, token_stream(other_tokenizer, text.heldout_corpus), preset,
                                             settings.device)[0]
     stats["draft_othertok_vocab_size"] = other_tokenizer.vocab_size()
     stats["draft_othertok_uniform_loss"] = math.log(other_tokenizer.vocab_size())
@@ -515,19 +551,19 @@ def run(settings, preset: Preset) -> dict:
         stats[name] = {"params": param_count(model), "heldout_loss": losses[name],
                        "heldout_ppl": math.exp(losses[name]), "train_seconds": seconds[name],
                        "config": configs[name].to_hf_config()}
-    stats["seconds"] = time.perf_counter() - t_start
-    write_atomically(out / "train_stats.json", lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
+    return stats
 
+
+def report(stats: dict, preset: Preset, out: Path):
     for name in ("target", "draft", "draft_othertok"):
         s = stats[name]
         log(f"{name}: {s['params'] / 1e6:.2f}M params, held-out loss {s['heldout_loss']:.3f} "
             f"(ppl {s['heldout_ppl']:.1f}; uniform {math.log(s['config']['vocab_size']):.2f}), "
             f"trained {s['train_seconds']:.0f}s")
-    log(f"greedy agreement {agreement:.1%} ({preset.prompts} held-out prompts x {preset.new_tokens} target "
-        f"greedy tokens); teacher-forced agreement on held-out text {forced_agreement:.1%}")
+    log(f"greedy agreement {stats['greedy_agreement']:.1%} ({preset.prompts} held-out prompts x {preset.new_tokens} "
+        f"target greedy tokens); teacher-forced agreement on held-out text {stats['teacher_forced_agreement']:.1%}")
     log(f"wrote {out}/target, {out}/draft, {out}/draft_othertok, {out}/heldout_files.txt, {out}/train_stats.json "
         f"in {stats['seconds']:.0f}s")
-    return stats
 
 
 if __name__ == "__main__":

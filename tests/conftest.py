@@ -1,12 +1,13 @@
 """Shared fixtures: checkpoints the tests build themselves (random weights, a tiny tokenizer)."""
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import train_tokenizer, write_checkpoint
+from helpers import SmallDisk, train_tokenizer, write_checkpoint
 
 # the a8 kernels (kernels.a8_kernels) are built once per source and torch version: into the user's own cache, not
 # once per test run
@@ -32,6 +33,26 @@ def random_target(tmp_path_factory, tokenizer_model) -> Path:
 def random_draft(tmp_path_factory, tokenizer_model) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("draft"), tokenizer_model, seed=1, dim=32, n_layer=1,
                             n_head=2, vocab_size=512, block_size=256)
+
+
+@pytest.fixture(params=["tmpfs", "ulimit"])
+def small_disk(request, tmp_path):
+    """A directory where writes can be made to fail as on a full disk (helpers.SmallDisk), both ways."""
+    directory = tmp_path / "disk"
+    directory.mkdir()
+    if request.param == "tmpfs":
+        try:
+            mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(directory)],
+                                     capture_output=True, text=True)
+        except OSError as e:  # no mount command
+            pytest.skip(f"cannot mount a tmpfs here: {e}")
+        if mounted.returncode != 0:  # not root, or a container that forbids it
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()[:100]}")
+    try:
+        yield SmallDisk(request.param, directory)
+    finally:
+        if request.param == "tmpfs":
+            subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,13 @@
 """What several test files share: checkpoints built on the spot, generate.py runs, and the chi-square
 machinery of the lossless-sampling tests."""
+import contextlib
 import functools
 import importlib
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import sysconfig
 from pathlib import Path
 from types import SimpleNamespace
@@ -410,3 +413,47 @@ def auto_tokenizer(directory):
                 normalizer_spec=SimpleNamespace(precompiled_charsmap=b"", add_dummy_prefix=True))
         convert.SentencePieceExtractor.__init__ = read_with_sentencepiece
     return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+class SmallDisk:
+    """A directory where a write of more than `room` bytes fails (within `full(room)`) as it does on a full disk,
+    through the real writers (torch.save's zip writer, safetensors, tokenizers, plain Python files):
+    - "tmpfs": a 16 MiB tmpfs mounted there, filled but `room` bytes (whole pages) by a filler file: ENOSPC. Needs
+      mount (root, and a container that allows it): the case is skipped where mount is refused.
+    - "ulimit": this process's file size limit (RLIMIT_FSIZE, `ulimit -f`) lowered to `room`, SIGXFSZ ignored (else
+      it kills the process at the first write past the limit): any file written past `room` bytes fails with EFBIG.
+      Runs everywhere."""
+
+    def __init__(self, kind: str, directory: Path):
+        self.kind, self.directory = kind, directory
+        self.cause = {"tmpfs": "No space left on device", "ulimit": "File too large"}[kind]
+
+    @contextlib.contextmanager
+    def full(self, room: int):
+        if self.kind == "tmpfs":
+            filler = self.directory / "filler"
+            free = os.statvfs(self.directory)
+            with open(filler, "wb") as f:
+                f.write(bytes(max(0, free.f_bavail * free.f_frsize - room)))
+            try:
+                yield
+            finally:
+                filler.unlink()
+            return
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (room, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+
+
+def files_of(directory: Path) -> dict:
+    """Every file under directory (relative name: bytes), temp files included, the filler left out."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != "filler"}

@@ -22,6 +22,7 @@ import errors
 import generation
 import model as model_module
 import quantize
+from helpers import files_of
 from model import ModelArgs, Transformer
 
 import convert_hf_checkpoint as convert_hf
@@ -30,15 +31,17 @@ import download
 TINY = dict(dim=16, n_layer=1, n_head=2, n_local_heads=1, intermediate_size=32, vocab_size=257, block_size=32)
 
 
-def error_line(main, argv, capsys, status=1) -> str:
-    """main(argv) run as the CLI's __main__ runs it: the exit status, and the one `error: ...` line on stderr."""
+def error_line(main, argv, capsys, status=1, progress=None) -> str:
+    """main(argv) run as the CLI's __main__ runs it: the exit status, and the one `error: ...` line on stderr (after
+    any progress bar's lines, which start with `progress`)."""
     saved = signal.getsignal(signal.SIGTERM)  # run_cli installs its own handler
     try:
         got = errors.run_cli(lambda: main(argv))
     finally:
         signal.signal(signal.SIGTERM, saved)
     err = capsys.readouterr().err
-    lines = err.strip().splitlines()
+    lines = [line for line in err.strip().splitlines()
+             if not (progress and (line.startswith(progress) or not line.strip()))]
     assert got == status and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
@@ -508,3 +511,102 @@ def test_well_formed_specs_pass_the_checks():
     assert download.check_package("Some.Package_x==1.0rc1+local") == "Some_Package_x"
     for repo_id in ("meta-llama/Llama-2-7b-chat-hf", "HuggingFaceTB/SmolLM2-135M-Instruct", "a/b", "org_x/v1.5_y"):
         download.check_repo_id(repo_id)
+
+
+# ----------------------------------------------------------------------------- 6. a full disk (conftest.small_disk)
+
+def full_disk_line(disk, room: int, main, argv, capsys, progress=None) -> str:
+    """main(argv) run as its command's __main__ runs it with `room` bytes left: exit status 1, one line naming the
+    cause, every file under the disk's directory as it was (the old files intact, no partial file left)."""
+    before = files_of(disk.directory)
+    with disk.full(room):
+        line = error_line(main, argv, capsys, progress=progress)
+    assert disk.cause in line, line
+    assert files_of(disk.directory) == before
+    return line
+
+
+def test_a_full_disk_while_converting_a_gguf_is_one_line(small_disk, tmp_path, capsys):
+    import convert_gguf_checkpoint as convert_gguf
+    out = small_disk.directory / "out"
+    convert_gguf.main(["--gguf", str(write_gguf(tmp_path / "a.gguf")), "--out_dir", str(out)])
+    changed = write_gguf(tmp_path / "b.gguf", llama__context_length=64)
+    line = full_disk_line(small_disk, 4096, convert_gguf.main, ["--gguf", str(changed), "--out_dir", str(out)],
+                          capsys)
+    assert f": {out}/" in line and ("free some space" in line or "ulimit -f" in line), line
+
+
+def test_a_full_disk_while_converting_hf_weights_is_one_line(small_disk, state_dict, capsys):
+    directory = hf_dir(small_disk.directory / "hf", state_dict)
+    convert_hf.main(["--checkpoint_dir", str(directory)])
+    (directory / "model.pth").write_bytes(b"an earlier conversion")
+    line = full_disk_line(small_disk, 4096, convert_hf.main, ["--checkpoint_dir", str(directory)], capsys)
+    assert line.startswith(f"error: {small_disk.cause}: {directory / 'model.pth'}: "), line
+
+
+def test_a_full_disk_while_exporting_to_hf_is_one_line(small_disk, state_dict, capsys):
+    """export_hf (the benchmarks' way to llama.cpp) writes safetensors: its Rust error carries the errno."""
+    ours = small_disk.directory / "ours"
+    ours.mkdir()
+    (ours / "config.json").write_text(json.dumps(ModelArgs(**TINY).to_hf_config()))
+    torch.save(state_dict, ours / "model.pth")
+    out = small_disk.directory / "hf"
+    convert_hf.export_hf(ours, out)
+    line = full_disk_line(small_disk, 4096, lambda argv: convert_hf.export_hf(ours, out), [], capsys)
+    assert f": {out}/" in line, line
+
+
+def test_a_full_disk_while_quantizing_is_one_line(small_disk, state_dict, capsys):
+    directory = small_disk.directory / "ckpt"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(ModelArgs(**TINY).to_hf_config()))
+    torch.save(state_dict, directory / "model.pth")
+    quantize.main(["--checkpoint_path", str(directory / "model.pth"), "--mode", "int8"])
+    out = next(directory.glob("model_int8*.pth"))
+    line = full_disk_line(small_disk, 4096, quantize.main,
+                          ["--checkpoint_path", str(directory / "model.pth"), "--mode", "int8"], capsys)
+    assert line.startswith(f"error: {small_disk.cause}: {out}: "), line
+
+
+def test_a_full_disk_while_saving_a_trained_model_is_one_line(small_disk, state_dict, capsys):
+    """scripts/train_tiny.py's checkpoint (config, tokenizer, weights) and train_draft_head.py's head (safetensors
+    and its config, as one set)."""
+    import train_tiny
+    import drafthead
+    args = ModelArgs(**TINY)
+    model = Transformer(args)
+    model.load_state_dict(state_dict)
+    directory = small_disk.directory / "tiny"
+    train_tiny.save_checkpoint(directory, args, model, b"tokenizer")
+    line = full_disk_line(small_disk, 4096, lambda argv: train_tiny.save_checkpoint(directory, args, model, b"t"),
+                          [], capsys)
+    assert f": {directory}/" in line, line
+    head = drafthead.DraftHead(drafthead.HeadArgs.for_target(model, 64)).attach(model)
+    drafthead.save_head(head, small_disk.directory / "head")
+    line = full_disk_line(small_disk, 4096, lambda argv: drafthead.save_head(head, small_disk.directory / "head"), [],
+                          capsys)
+    assert f": {small_disk.directory / 'head'}/" in line, line
+
+
+@pytest.mark.parametrize("flag", ["--stats_json", "--profile"])
+def test_a_full_disk_when_generate_writes_its_stats_or_trace_is_one_line(small_disk, random_target, flag, capsys):
+    from helpers import cli
+    out = small_disk.directory / "out.json"
+    argv = ["--checkpoint_path", str(random_target), "--prompt", "hi", "--max_new_tokens", "2", "--num_samples", "1",
+            flag, str(out)]
+    cli.main(argv)  # an earlier run's file, which the failed run leaves as it was
+    line = full_disk_line(small_disk, 256, cli.main, argv, capsys)
+    assert line.startswith(f"error: {flag} {out}: cannot write it ({small_disk.cause})"), line
+
+
+def test_a_full_disk_when_eval_writes_its_stats_is_one_line(small_disk, random_target, tmp_path, capsys):
+    import sysconfig
+    import eval as evaluation
+    text = tmp_path / "text.txt"
+    text.write_text(Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text()[:4000])
+    out = small_disk.directory / "quality.json"
+    argv = ["--checkpoint_path", str(random_target), "--text", str(text), "--ctx", "64", "--limit_chunks", "1",
+            "--stats_json", str(out)]
+    evaluation.main(argv)
+    line = full_disk_line(small_disk, 64, evaluation.main, argv, capsys, progress="perplexity:")
+    assert line.startswith(f"error: --stats_json {out}: cannot write it ({small_disk.cause})"), line

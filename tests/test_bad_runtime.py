@@ -6,6 +6,7 @@ never a traceback or a hang.
 Most rows run generate.py's command line in this process (cli.cli(argv): run_cli's one line and exit status,
 without the ~3 CPU seconds of a new interpreter); the torchrun and Ctrl-C rows need processes of their own.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -276,6 +278,67 @@ def test_ranks_launched_with_different_arguments_fail_every_rank(random_target, 
         assert p.returncode == 1 and errors == [want], stderr
         assert "Loaded" not in stdout  # refused before loading
     assert time.monotonic() - t0 < 25
+
+
+def rank_alone(checkpoint, port: int, timeout: int) -> tuple:
+    """generate.py started as torchrun starts rank 1 of 2, with no rank 0: (exit status, stderr, seconds)."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                                                                     "TORCH_CPP_LOG_LEVEL", "FASTGEN_TRACEBACK")}
+    environment.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS="1", FASTGEN_DIST_TIMEOUT=str(timeout))
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "generate.py", *map(str, argv_for(checkpoint, n=4))], cwd=ROOT,
+                          env=environment, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout + 120)
+    return done.returncode, done.stderr, time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def silent_listener():
+    """A port where a process accepts every connection and never answers (a rendezvous port another program holds):
+    yields the port."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:  # closed
+                return
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        server.close()
+        for connection in held:
+            connection.close()
+
+
+JOIN_WAIT = 3  # FASTGEN_DIST_TIMEOUT of the tests below
+
+
+def cannot_join(port: int) -> str:
+    return (f"error: rank 1 of 2 could not join the others at 127.0.0.1:{port} within {JOIN_WAIT} s: start every "
+            f"rank (torchrun --nproc_per_node=N) with the same MASTER_ADDR and MASTER_PORT, or raise "
+            f"FASTGEN_DIST_TIMEOUT")
+
+
+@pytest.mark.parametrize("peer", ["nothing listens", "a listener that never answers"])
+def test_a_rank_that_cannot_join_prints_one_line_within_the_timeout(random_target, peer):
+    """Rank 1 without a rank 0: nothing at the port (torch's connect timeout), or a process that accepts the
+    connection and never answers (only the join's own deadline ends that wait). Either way exit 1 with the same one
+    line on stderr, torch's C++ log (socket timeouts, retries, frame lists) kept out, soon after the timeout
+    (the rest is the start-up: importing torch, loading nothing)."""
+    with contextlib.ExitStack() as stack:
+        port = stack.enter_context(silent_listener()) if peer != "nothing listens" else free_port()
+        status, stderr, seconds = rank_alone(random_target, port, JOIN_WAIT)
+    assert status == 1 and stderr.splitlines() == [cannot_join(port)], stderr
+    assert seconds < JOIN_WAIT + 30
 
 
 # ----------------------------------------------------------------------------- Ctrl-C while the imports run

@@ -117,21 +117,24 @@ def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target
 
 
 def test_stored_graph_options_per_mode():
-    """What each stored mode asks of inductor: frozen weights always; the C++ GEMM templates alone (nothing to time)
-    for float weights under auto; every candidate timed under autotune; a quantized model keeps its int8 / int4
-    kernels, which have threads of their own, and inductor's kernels beside them run on one. (Each mode's tokens equal eager decoding's: tests/test_stored.py builds the auto graph end to end; an
-    autotuned build times every candidate kernel, a minute even for a one-layer model, so it is not rebuilt here.)"""
+    """What each stored mode asks of inductor: never the weights inside the library, and nothing frozen (a graph
+    reads the module's own tensors); every candidate timed under autotune; a quantized model keeps its int8 / int4
+    kernels, which have threads of their own, and inductor's kernels beside them run on one. (Each mode's tokens
+    equal eager decoding's: tests/test_stored.py builds the auto graph end to end; an autotuned build times every
+    candidate kernel, a minute even for a one-layer model, so it is not rebuilt here.)"""
+    weightless = {"aot_inductor.package_constants_in_so": False}
     model = Transformer(ModelArgs(dim=32, n_layer=1, n_head=2, vocab_size=64, block_size=32))
-    assert compilation.stored_options(model, "stored") == {"freezing": True, **compilation.CPP_GEMM_OPTIONS}
-    assert compilation.stored_options(model, "stored-autotune") == {"freezing": True, "max_autotune": True}
+    assert compilation.stored_options(model, "stored") == {**weightless, "freezing": False}
+    assert compilation.stored_options(model, "stored-autotune") == {**weightless, "freezing": False, "max_autotune": True}
     int8 = Transformer(ModelArgs(dim=32, n_layer=1, n_head=2, vocab_size=64, block_size=32)).requires_grad_(False)
     int8.layers[0].feed_forward.w1.weight.data = int8.layers[0].feed_forward.w1.weight.data.to(torch.int8)
-    assert compilation.stored_options(int8, "stored") == {"freezing": True, "cpp.threads": 1}
-    assert compilation.stored_options(int8, "stored-autotune") == {"freezing": True, "max_autotune": True, "cpp.threads": 1}
+    assert compilation.stored_options(int8, "stored") == {**weightless, "freezing": False, "cpp.threads": 1}
+    assert compilation.stored_options(int8, "stored-autotune") == {**weightless, "freezing": False,
+                                                                  "max_autotune": True, "cpp.threads": 1}
     # CUDA: the kernels' binaries inside the one library that is signed and loaded; no CPU options
-    assert compilation.stored_options(model, "stored", "cuda") == {"aot_inductor.embed_kernel_binary": True}
-    assert compilation.stored_options(int8, "stored-autotune", "cuda:0") == {"aot_inductor.embed_kernel_binary": True,
-                                                                        "max_autotune": True}
+    assert compilation.stored_options(model, "stored", "cuda") == {**weightless, "aot_inductor.embed_kernel_binary": True}
+    assert compilation.stored_options(int8, "stored-autotune", "cuda:0") == {
+        **weightless, "aot_inductor.embed_kernel_binary": True, "max_autotune": True}
 
 
 def test_generation_runs_without_autograd(random_target, monkeypatch):

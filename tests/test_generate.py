@@ -305,6 +305,28 @@ def test_failures_of_the_machine_are_one_line():
     assert errors.run_cli(fails) == 1
 
 
+def test_a_full_disk_behind_a_librarys_own_exception_is_one_line():
+    """torch.compile's inductor reports a full disk (its cache) as its own exception with the OSError as the cause:
+    one line naming the file. Any other OSError behind a failure (one the code handled, then failed otherwise) is
+    not the reason: that failure keeps its traceback."""
+    try:
+        try:
+            raise OSError(28, "No space left on device", "/cache/inductor/kernel.cpp")
+        except OSError as e:
+            raise RuntimeError("backend compiler failed") from e
+    except RuntimeError as e:
+        wrapped = e
+    assert errors.expected_failure(wrapped) == ("error: No space left on device: /cache/inductor/kernel.cpp: free "
+                                                "some space or write elsewhere")
+    try:
+        try:
+            raise FileNotFoundError(2, "No such file or directory", "/x/stored.json")
+        except FileNotFoundError:
+            raise ValueError("a bug while going on without it")
+    except ValueError as e:
+        assert errors.expected_failure(e) is None
+
+
 @pytest.mark.slow
 def test_a_closed_stdout_ends_quietly(random_target):
     """`generate.py ... | head -1`: the reader goes away; no BrokenPipeError traceback."""

@@ -32,6 +32,29 @@ def test_fast_weight_layout_keeps_logits_state_dict_and_tied_weights(shape):
                      full_forward(original, ids[:, :1]))
 
 
+@pytest.mark.parametrize("shape", ["gqa", "tied-llama3"])
+def test_stored_layout_keeps_one_copy_of_the_weights_and_the_logits(shape):
+    """use_stored_layout (the layout stored graphs read): where f32_linear multiplies, each linear holds pack_f32's
+    blocks and no longer its weight (one copy in memory), a tied output's blocks are made from the embeddings,
+    which stay; elsewhere weights are column-major. Logits equal the checkpoint layout's up to rounding; the
+    layout is the same every time."""
+    model, original = tiny_model(**SHAPES[shape]), tiny_model(**SHAPES[shape])
+    kernels.use_stored_layout(model)
+    native = kernels.native_f32_linear(original.output.weight)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if native:
+        assert all(m.weight is None and m.blocks.shape[1:] == (m.in_features, kernels.F32_BLOCK) for m in linears)
+        assert torch.equal(model.tok_embeddings.weight, original.tok_embeddings.weight)
+    else:
+        assert all(m.weight.stride() == (1, m.out_features) for m in linears)
+    ids = tokens(20, batch=2)
+    assert_close(full_forward(model, ids), full_forward(original, ids))
+    again = tiny_model(**SHAPES[shape])
+    kernels.use_stored_layout(again)
+    layout = [(n, t.shape, t.stride()) for n, t in again.named_buffers() if "cache" not in n and "rope" not in n]
+    assert layout == [(n, t.shape, t.stride()) for n, t in model.named_buffers() if "cache" not in n and "rope" not in n]
+
+
 def test_bf16_weights_keep_their_layout():
     model = tiny_model(**SHAPES["gqa"]).to(torch.bfloat16)
     kernels.use_fast_weight_layout(model)
@@ -311,15 +334,15 @@ def test_f32_linear_equals_float64_reference(isa, M, N, K):
     assert ((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().t()) + 1e-30).all()
     for m in range(M):
         assert torch.equal(torch.ops.fastgen.f32_linear(x[m:m + 1].contiguous(), packed, N), y[m:m + 1])
-    assert torch.equal(kernels.f32_linear(x.view(1, M, K), w), y.view(1, M, N))
+    assert torch.equal(kernels.f32_linear(x.view(1, M, K), packed, N), y.view(1, M, N))
 
 
 def test_f32_linear_is_chosen_for_stored_cpu_graphs_of_float32_only():
     a8_isas()
-    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    w = torch.randn(4, 8)
     native = torch.ops.fastgen.a8_isa() == "avx512_vnni"
-    assert kernels.native_f32_linear(x, w) == native
-    assert not kernels.native_f32_linear(x.bfloat16(), w.bfloat16())
+    assert kernels.native_f32_linear(w) == native
+    assert not kernels.native_f32_linear(w.bfloat16())
 
 
 # ----------------------------------------------------------------------------- attention over the KV cache

@@ -78,3 +78,40 @@ def test_front_page_documents_stay_short():
         size = (ROOT / name).stat().st_size
         assert size <= limit, (f"{name} is {size} bytes, over its {limit} ({limit // 1024} KiB): move details to "
                                f"docs/ (earlier benchmark runs to docs/benchmark-history.md)")
+
+
+MAX_FUNCTION_LINES = 90
+
+
+def function_lengths(path) -> list:
+    """(qualified name, lines from its def to the last line of its body) of every function in the file; a nested
+    function counts inside its parent and is listed too."""
+    found = []
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((prefix + child.name, child.end_lineno - child.lineno + 1))
+                walk(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".")
+            else:
+                walk(child, prefix)
+    walk(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_function_lengths_are_measured_from_def_to_last_line(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text("def outer():\n    def inner():\n        return 1\n    return inner\n\n\n"
+                      "class A:\n    async def method(self):\n        pass\n")
+    assert function_lengths(source) == [("outer", 4), ("outer.inner", 2), ("A.method", 2)]
+
+
+def test_no_function_is_longer_than_its_steps():
+    """The library, the command lines and the scripts read as named steps: a function over MAX_FUNCTION_LINES lines
+    is cut at its seams."""
+    files = sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("scripts/*.py"))
+    long = [f"{path.relative_to(ROOT)}:{name} ({lines} lines)" for path in files
+            for name, lines in function_lengths(path) if lines > MAX_FUNCTION_LINES]
+    assert not long, f"longer than {MAX_FUNCTION_LINES} lines: {', '.join(long)}: cut them into named steps"

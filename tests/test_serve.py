@@ -286,8 +286,9 @@ def test_sixteen_concurrent_clients_each_equal_the_library_alone(server, library
 
 
 def test_stored_graphs_prefill_the_exact_chunk_and_stay_exact(random_target, library):
-    # the eager engine labelled as stored graphs (which take any token count): no padding to a prefill width
-    running = Running(random_target, "--max_batch_size", 3, chunk=16, mode="stored")
+    # the eager engine labelled as stored graphs (which take any token count): no padding to a prefill width; every
+    # prompt prefilled whole (a reused prefix would start its chunks elsewhere)
+    running = Running(random_target, "--max_batch_size", 3, "--no_prefix_cache", chunk=16, mode="stored")
     try:
         prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(6)]
 
@@ -301,6 +302,7 @@ def test_stored_graphs_prefill_the_exact_chunk_and_stay_exact(random_target, lib
         widths = {shape[1] for shape in running.shapes if shape[0] == 1}
         lengths = [len(library.tokenizer.encode_prompt(p)) for p in prompts]
         assert {n % 16 for n in lengths if n % 16} <= widths and max(widths) == 16  # each chunk's rest, unpadded
+        assert running.metric("fastgen_prefix_cache_hits_total") == 0  # prompts share prefixes; the cache is off
     finally:
         running.stop()
 
@@ -423,6 +425,170 @@ def test_decode_steps_compute_the_rows_in_use_and_idle_rows_see_one_slot(random_
             assert pos[i, 0] == position
             assert torch.equal(mask[i, 0, 0], slots <= position if i in decoding else slots == scratch)
     assert set(batches) == {1, 2, 4, 8} and batches[0] == 1 and batches[-1] == 1
+
+
+# ----------------------------------------------------------------------------- the prefix cache
+
+def reusable(prompt_ids, entries) -> int:
+    """The prompt tokens a request may reuse: the longest prefix it shares with one of the cached entries (each an
+    earlier request's prompt + answer but its last token, the ids in the cache), all but its own last token at most."""
+    return min(max((serve.common_prefix(prompt_ids, e) for e in entries), default=0), len(prompt_ids) - 1)
+
+
+def prefix_metrics(running) -> tuple:
+    return (running.metric("fastgen_prefix_cache_hits_total"),
+            running.metric("fastgen_prefix_cache_reused_tokens_total"))
+
+
+def cached_of(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_chat_reuses_its_earlier_turns_and_answers_as_a_cold_server(server, library):
+    """Three turns of a chat, each turn's prompt the last turn's prompt, its answer and a new question: every answer
+    is the library's for the whole prompt alone, token for token; each turn reports as cached_tokens exactly the
+    prefix its prompt shares with the cached ids of the turns before, and /metrics counts those hits and tokens. The
+    last turn streams: its usage chunk (include_usage) reports the same."""
+    server.scheduler.forget()
+    before = prefix_metrics(server)
+    messages = [{"role": "system", "content": "You answer in one line."}]
+    entries, cached = [], []
+    for turn, question in enumerate(["What is a parser?", "And what is a lexer?", "Which of them runs first?"]):
+        messages.append({"role": "user", "content": question})
+        ids = library.tokenizer.chat_ids(messages)
+        tokens, text = alone(library, ids, 20)
+        if turn < 2:
+            reply = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 20, "temperature": 0})[1]
+            got, usage = reply["choices"][0]["message"]["content"], reply["usage"]
+            cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+        else:
+            chunks = list(server.client.chat.completions.create(
+                model=server.name, messages=messages, max_tokens=20, temperature=0, stream=True,
+                stream_options={"include_usage": True}))
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            cached.append(chunks[-1].usage.prompt_tokens_details.cached_tokens)
+        assert got == text, turn
+        assert cached[-1] == reusable(ids, entries), turn
+        entries.append(ids + tokens[:-1])
+        messages.append({"role": "assistant", "content": text})
+    assert cached[0] == 0 and 0 < cached[1] < cached[2]
+    assert prefix_metrics(server) == (before[0] + 2, before[1] + cached[1] + cached[2])
+
+
+def test_shared_prefixes_and_prompts_inside_a_cached_one(server, library):
+    """Completions sharing a preamble, a prompt whose ids lie inside an earlier one's (a strict prefix of its
+    cached ids) and the same prompt again: each answer is the library's alone, each reports the shared prefix, and
+    a prompt held whole in the cache still computes its last token (its logits give the first answer token: reusing
+    all of it, or one token fewer, is caught by cached_tokens or by the answer)."""
+    server.scheduler.forget()
+    before = prefix_metrics(server)
+    preamble = "You are a careful assistant. Read the question and answer it in one short sentence. "
+    prompts = [preamble + "Question: what does a parser do?", preamble + "Question: why split text into tokens?",
+               preamble + "Question: what", preamble + "Question: what does a parser do?", preamble]
+    entries, cached = [], []
+    for prompt in prompts:
+        ids = library.tokenizer.encode_prompt(prompt)
+        tokens, text = alone(library, ids, 12)
+        reply = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})[1]
+        assert reply["choices"][0]["text"] == text, prompt
+        cached.append(cached_of(reply))
+        assert cached[-1] == reusable(ids, entries), prompt
+        entries.append(ids + tokens[:-1])
+    assert cached[0] == 0 and cached[1] > len(library.tokenizer.encode_prompt(preamble)) // 2
+    assert cached[3] == len(library.tokenizer.encode_prompt(prompts[3])) - 1  # all of it cached: all but the last
+    assert prefix_metrics(server) == (before[0] + 4, before[1] + sum(cached))
+
+
+def test_the_least_recently_used_entry_is_evicted_when_rows_run_out(random_target, library):
+    """Two rows, both holding cached entries (chats X and Y); X's next turn reuses X's entry; then a new request Z
+    needs a row: Y's entry, the least recently used, is evicted. X's third turn still reuses X's history; Y's second
+    turn reuses only what X's and Z's entries share with it. Every answer is the library's alone."""
+    running = Running(random_target, "--max_batch_size", 2, chunk=16)
+    try:
+        entries = {}
+
+        def ask(name, prompt, cached_entries):
+            """The answer's text and cached_tokens, which must be the prefix shared with these entries."""
+            ids = library.tokenizer.encode_prompt(prompt)
+            tokens, text = alone(library, ids, 10)
+            reply = running.post("/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0})[1]
+            assert reply["choices"][0]["text"] == text, name
+            assert cached_of(reply) == reusable(ids, [entries[n] for n in cached_entries]), name
+            entries[name] = ids + tokens[:-1]
+            return text, cached_of(reply)
+
+        x, y = "Alpha beta gamma delta.", "Zeta eta theta iota."
+        x1, _ = ask("x", x, [])
+        y1, _ = ask("y", y, ["x"])
+        x2, _ = ask("x", x + x1 + " More alpha, please.", ["x", "y"])
+        ask("z", "Omicron pi rho sigma.", ["x", "y"])  # no row without an entry: Y's, the older, goes
+        _, x3 = ask("x", x + x1 + " More alpha, please." + x2 + " And more.", ["x", "z"])
+        _, y2 = ask("y", y + y1 + " More zeta.", ["x", "z"])
+        assert x3 > len(library.tokenizer.encode_prompt(x + x1)) and y2 < len(library.tokenizer.encode_prompt(y)) - 1
+    finally:
+        running.stop()
+
+
+def test_concurrent_requests_share_a_system_prompt(server, library):
+    """Four chat requests with one system prompt at once: the first prefilled computes it, each other one reuses
+    it (taken at its first prefill chunk, after the first's prompt is in), and every answer is the library's
+    alone."""
+    server.scheduler.forget()
+    before = prefix_metrics(server)
+    system = {"role": "system", "content": "You are a terse assistant who answers every question in five words."}
+    questions = ["Name a prime.", "Define a lexer.", "Pick a color.", "Say goodbye."]
+    conversations = [[system, {"role": "user", "content": q}] for q in questions]
+    ids = [library.tokenizer.chat_ids(m) for m in conversations]
+    shared = {serve.common_prefix(a, b) for a in ids for b in ids if a is not b}
+    assert len(shared) == 1  # every pair shares the same prefix: the system prompt and the template around it
+    [shared] = shared
+
+    def ask(messages):
+        return server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 16, "temperature": 0})[1]
+
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, conversations))
+    for prompt_ids, reply in zip(ids, replies):
+        assert reply["choices"][0]["message"]["content"] == alone(library, prompt_ids, 16)[1]
+    assert sorted(cached_of(r) for r in replies) == [0, shared, shared, shared]
+    assert prefix_metrics(server) == (before[0] + 3, before[1] + 3 * shared)
+
+
+def test_reused_keys_and_values_are_those_a_cold_prefill_computes(random_target, library):
+    """After a request that reused a prefix (of another prompt; its own prompt whole but the last token; of a
+    request that arrived with it, taken at its first prefill chunk after another's prompt went through row 0), its
+    row's keys and values in every slot of its prompt and answer are those of the same request on a cold server:
+    the prefix is reused at its own positions and the prefill starts right after it (a slot early or late, or a
+    slot not copied, changes that slot's keys and every later one's)."""
+    def scheduler(prefix_cache):
+        s = serve.Scheduler(generation.Generator.build(random_target), 4, 64, 200, prefix_cache)
+        s.chunk, s.widths = 16, [16]
+        return s
+
+    def request(prompt):
+        return serve.Request(library.tokenizer.encode_prompt(prompt), 12, Sampling())
+
+    first = "The parser adds the arguments it was given to a namespace"
+    warm = scheduler(True)
+    drive(warm, {0: [request(first)]})
+    together = [request("The parser reads each option, then every value"), request("Zebras eat grass"),
+                request("The parser reads each option, and")]
+    cases = [[request("The parser adds options and flags")], [request(first)], together]
+    for arrivals in cases:
+        drive(warm, {0: arrivals})
+        reused = arrivals[-1]
+        cold = scheduler(False)
+        drive(cold, {0: [fresh := serve.Request(list(reused.prompt_ids), 12, Sampling())]})
+        assert reused.cached_tokens >= 8 and fresh.cached_tokens == 0 and reused.tokens == fresh.tokens
+        n = len(reused.prompt_ids) + len(reused.tokens) - 1
+        a, b = reused.slot, fresh.slot  # where each ended (nothing moved since)
+        assert warm.kept[a] == reused.prompt_ids + reused.tokens[:-1] and cold.kept[b] is None
+        for warm_layer, cold_layer in zip(warm.model.layers, cold.model.layers):
+            for name in ("k_cache", "v_cache"):
+                got = getattr(warm_layer.attention.kv_cache, name)[a, :, :n]
+                want = getattr(cold_layer.attention.kv_cache, name)[b, :, :n]
+                assert torch.allclose(got, want, atol=1e-5), (reused.prompt_ids, name)
+    assert together[-1].cached_tokens == serve.common_prefix(together[0].prompt_ids, together[-1].prompt_ids)
 
 
 def test_models_health_and_metrics(server):
@@ -641,7 +807,7 @@ def stream_request(running, body):
     return connection, connection.getresponse()
 
 
-def test_a_client_that_disconnects_frees_its_row(slow_server):
+def test_a_client_that_disconnects_frees_its_row(slow_server, library):
     scheduler = slow_server.scheduler
     connection, response = stream_request(slow_server, {"prompt": "a long answer", "max_tokens": 200})
     for _ in range(3):
@@ -659,6 +825,12 @@ def test_a_client_that_disconnects_frees_its_row(slow_server):
         time.sleep(0.005)
     assert scheduler.metrics.steps - steps <= 2  # the step in flight, at most one more
     assert scheduler.metrics.outcomes["cancelled"] == cancelled + 1
+    # its row keeps what it had cached: the same prompt again reuses all of it but the last token, exactly
+    ids = library.tokenizer.encode_prompt("a long answer")
+    status, reply = slow_server.post("/v1/completions", {"prompt": "a long answer", "max_tokens": 3, "temperature": 0},
+                                     headers={"Content-Type": "application/json"})
+    assert status == 200 and cached_of(reply) == len(ids) - 1
+    assert reply["choices"][0]["text"] == alone(library, ids, 3)[1]
 
 
 def test_a_full_queue_answers_429(slow_server):
@@ -707,6 +879,13 @@ def test_a_lone_request_speculates_and_stays_exact(random_target, near_draft, li
         reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 60, "temperature": 0})[1]
         assert reply["choices"][0]["message"]["content"] == text
         assert reply["fastgen"]["tokens_per_target_forward"] > 1.2  # drafts were accepted
+        # the next turn reuses the keys and values the speculative loop left in row 0, and stays exact
+        entry = library.tokenizer.chat_ids(messages) + tokens[:-1]
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+        ids = library.tokenizer.chat_ids(messages)
+        reply = running.post("/v1/chat/completions", {"messages": messages, "max_tokens": 40, "temperature": 0})[1]
+        assert reply["choices"][0]["message"]["content"] == alone(library, ids, 40)[1]
+        assert cached_of(reply) == reusable(ids, [entry]) > 0
         with ThreadPoolExecutor(4) as pool:  # several at once: batched rows, then whoever is left alone
             got = list(pool.map(lambda p: running.client.completions.create(
                 model=running.name, prompt=p, max_tokens=40, temperature=0).choices[0].text, PROMPTS[:4]))
@@ -900,3 +1079,19 @@ def test_bench_serve_compares_a_lone_client_with_generate(random_target, tmp_pat
     assert row["batch_size"] == 4 and row["answers"] >= 1 and result["generate_tokens_per_sec"] > 0
     assert row["ratio"] == pytest.approx(row["answer_tokens_per_sec"] / result["generate_tokens_per_sec"])
     assert row["decode_ratio"] == pytest.approx(row["decode_tokens_per_sec"] / result["generate_tokens_per_sec"])
+
+
+@pytest.mark.slow
+def test_bench_serve_times_a_chats_last_turn_with_and_without_the_prefix_cache(random_target, tmp_path):
+    """scripts/bench_serve.py --chat_turns: the chat on a server with the prefix cache and on one without; the last
+    turn's prompt reuses the earlier turns, and every answer is the same both ways."""
+    out = tmp_path / "chat.json"
+    done = subprocess.run([sys.executable, "scripts/bench_serve.py", "--checkpoint_path", str(random_target),
+                           "--chat_turns", "3", "--chat_history", "120", "--max_tokens", "8", "--batch_sizes", "2",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TTFT cached" in done.stdout and "identical" in done.stdout
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["identical"] and row["turns"] == 3 and row["batch_size"] == 2
+    assert 0 < row["last_cached_tokens"] < row["last_prompt_tokens"]
+    assert row["speedup"] == pytest.approx(row["ttft_cold"] / row["ttft_cached"])

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,43 @@ def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(stored
     assert greedy(stored_engine(checkpoint)) == eager
     err = capsys.readouterr().err
     assert "refusing the stored graph" in err and "compiling the graph of" in err
+
+
+@pytest.mark.slow
+def test_stored_graphs_hold_kernels_only_and_read_the_models_own_weights(stored):
+    """A stored graph holds no copy of the weights: graphs of two batch sizes and two cache lengths in one process
+    all read the model's own tensors (the same memory), no stored library and nothing the build left in inductor's
+    cache holds a weight's bytes, and each graph decodes what eager decoding does."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    started = time.time()
+    engine = stored_engine(stored)
+    model = engine.model
+    model.round_cache_length = False  # the micro model's context is 64: two lengths below it
+    model.setup_caches(1, 32)
+    x = torch.tensor([[4, 8, 15, 16, 23]])
+    pos = torch.arange(5).view(1, 5)
+    eager = generation.load_model(stored)
+    with torch.no_grad():
+        eager.setup_caches(2, 64)
+        expected = eager(x.expand(2, 5), pos.expand(2, 5))
+        torch.testing.assert_close(engine.forward(x, pos), expected[:1], rtol=1e-4, atol=1e-4)  # batch 1, 32 slots
+        model.setup_caches(2, 64)
+        torch.testing.assert_close(engine.forward(x.expand(2, 5), pos.expand(2, 5)), expected, rtol=1e-4, atol=1e-4)
+    graphs = engine.stored.graphs
+    assert {(1, 1, 32), (2, 2, 64)} <= set(graphs)
+    own = {name: t.data_ptr() for name, t in engine.stored.constants().items()}
+    weights = [name for name in own if "kv_cache" not in name]
+    for shape, (_, bind, _) in graphs.items():
+        constants = bind.runner.extract_constants_map(False)
+        assert set(weights) <= set(constants), shape
+        assert all(constants[name].data_ptr() == own[name] for name in weights), shape  # caches: rebound per call
+    largest = max((t for name, t in engine.stored.constants().items() if name in weights), key=torch.Tensor.numel)
+    needle = largest.contiguous().view(-1)[largest.numel() // 2:][:32].numpy().tobytes()  # 128 random bytes
+    libraries = list((stored.parent / "compiled").glob("*.so"))
+    assert len(libraries) >= 2 and not any(needle in library.read_bytes() for library in libraries)
+    assert all(library.stat().st_size < 16 << 20 for library in libraries)
+    built_now = [f for f in Path(cache_dir()).rglob("*") if f.is_file() and f.stat().st_mtime >= started]
+    assert not any(needle in f.read_bytes() for f in built_now)
 
 
 @pytest.mark.slow
@@ -405,16 +443,18 @@ def test_a_process_that_loads_a_stored_graph_imports_no_compiler(stored, tmp_pat
 def test_a_built_graph_is_tried_in_a_child_process(stored):
     """What a CUDA build does before storing its graph (AOTInductor's loader crashed on a GPU measured): the library
     with its operator table loads and runs in a child process; a broken one is reported, not loaded here."""
-    greedy(stored_engine(stored), n=2)  # built by an earlier test, or here
+    engine = stored_engine(stored)
+    greedy(engine, n=2)  # built by an earlier test, or here
     library = next((stored.parent / "compiled").glob("*.so"))
     table = library.with_suffix(".json").read_text() if library.with_suffix(".json").exists() else None
     examples = [compilation.example_inputs(1, 64, "cpu", tokens) for tokens in (1, 4)]
-    compilation.loads_in_child(library, table, "cpu", examples)
+    constants = engine.stored.constants()
+    compilation.loads_in_child(library, table, "cpu", examples, constants=constants)
     broken = library.parent / "broken.so"
     broken.write_bytes(library.read_bytes()[:4096])
     try:
         with pytest.raises(RuntimeError, match="child process failed"):
-            compilation.loads_in_child(broken, table, "cpu", examples)
+            compilation.loads_in_child(broken, table, "cpu", examples, constants=constants)
     finally:
         broken.unlink()
 
@@ -578,3 +618,64 @@ def test_stored_cuda_graphs_replay_few_token_calls_only_where_the_replay_equals_
     results = [replayed(torch.full((1, 1), i), torch.zeros(1, 1))[0].item() for i in range(4)]
     assert results == [0, 2, 4, 6]
     assert "not replayed from a CUDA graph (its replay differs" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a full disk (conftest.small_disk)
+
+def full_disk_run(disk, room: int, call, capsys) -> list:
+    """call() run as a command runs it (errors.run_cli) with `room` bytes left on the disk: exit status 1, no
+    traceback, every file under the disk as it was (no temp file left); returns its stderr's lines."""
+    import errors
+    from helpers import files_of
+    before = files_of(disk.directory)
+    with disk.full(room):
+        status = errors.run_cli(call)
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err, err
+    assert files_of(disk.directory) == before
+    return err.strip().splitlines()
+
+
+def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(small_disk, tokenizer_model, monkeypatch,
+                                                                           capsys):
+    """The build's library written on a full disk: the export patched to write it with torch's zip writer (as
+    AOTInductor's packager writes its .pt2), so the failure is torch's own RuntimeError of a real full disk. One
+    line naming the library, and no `.failed` marker: a full disk says nothing about the graph, and the next run
+    with room builds it."""
+    def export(self, example, length, tmp):
+        torch.save({"library": torch.zeros(1 << 18)}, tmp)
+    monkeypatch.setattr(compilation.StoredForward, "export", export)
+    checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
+                                  n_head=2, vocab_size=512, block_size=64)
+    model = generation.load_model(checkpoint)
+    model.setup_caches(1, 64)
+    forward = compilation.StoredForward(model, "cpu", "stored")
+    lines = full_disk_run(small_disk, 64 << 10, lambda: forward.load(1, 1, 64), capsys)
+    compiled = checkpoint.parent / "compiled"
+    assert lines[-1].startswith(f"error: {small_disk.cause}: {compiled}/model-") and ".so: " in lines[-1], lines
+    assert not any("cannot store" in line for line in lines), lines
+    assert not list(compiled.glob("*.failed"))
+
+
+def test_a_full_disk_while_keeping_compiled_kernels_is_one_line(small_disk, tokenizer_model, monkeypatch, capsys):
+    """An in-process compile's kernels (compilation.CompileCache, NAME.bin) stored on a full disk: torch's cache artifacts
+    patched to a blob of 1 MiB, written by the real writer."""
+    checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
+                                  n_head=2, vocab_size=512, block_size=64)
+    cache = compilation.CompileCache(generation.load_model(checkpoint), "cpu", "whole")
+    monkeypatch.setattr(compilation, "compiled_count", lambda: cache.compiled + 1)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (bytes(1 << 20), None))
+    lines = full_disk_run(small_disk, 64 << 10, cache.save_if_new, capsys)
+    assert lines == [f"error: {small_disk.cause}: {cache.directory / cache.name}.bin: "
+                     f"{lines[0].rsplit(': ', 1)[-1]}"], lines
+
+
+def test_a_full_disk_while_making_the_signing_key_leaves_no_short_key(small_disk, monkeypatch, capsys):
+    """The key that signs stored graphs is written whole or not at all: a key cut short would sign with fewer secret
+    bytes (an empty one with none)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(small_disk.directory))
+    lines = full_disk_run(small_disk, 16, artifacts.signing_key, capsys)
+    assert lines == [f"error: {small_disk.cause}: {small_disk.directory / 'fastgen' / 'artifact.key'}: "
+                     f"{lines[0].rsplit(': ', 1)[-1]}"], lines
+    assert not (small_disk.directory / "fastgen" / "artifact.key").exists()
+    assert len(artifacts.signing_key()) == artifacts.KEY_BYTES  # with room: made whole
