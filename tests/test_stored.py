@@ -169,7 +169,7 @@ def test_compile_model_lists_and_prunes_stale_artifacts(stored):
     greedy(stored_engine(stored), n=2)  # built by an earlier test, or here
     directory = stored.parent / "compiled"
     current = sorted(p.name for p in directory.iterdir())
-    meta = json.loads(next(directory.glob("*-b1of1-stored-*.meta.json")).read_text())
+    meta = json.loads(next(directory.glob(f"{stored.stem}-b1of1-stored-*.meta.json")).read_text())
     other_weights = dict(meta, fields=dict(meta["fields"], weights=dict(meta["fields"]["weights"], bytes=1)))
     older_code = dict(meta, fields=dict(meta["fields"], sources="0" * 64))
     (directory / "model-b3of3-stored-0000000000000000.so").write_bytes(b"\0" * 3000)
@@ -482,7 +482,7 @@ def test_a_built_graph_is_tried_in_a_child_process(stored):
     with its operator table loads and runs in a child process; a broken one is reported, not loaded here."""
     engine = stored_engine(stored)
     greedy(engine, n=2)  # built by an earlier test, or here
-    library = next((stored.parent / "compiled").glob("*-b1of1-*.so"))
+    library = next((stored.parent / "compiled").glob(f"{stored.stem}-b1of1-stored-*.so"))  # not the a8 copy's
     table = library.with_suffix(".json").read_text() if library.with_suffix(".json").exists() else None
     examples = [engine.stored.example(1, 1, tokens) for tokens in (1, 4)]
     constants = engine.stored.constants()
