@@ -97,6 +97,8 @@ def run_measured(argv: list, log: Path, stdout: Path = None, env=None) -> dict:
     rss_file.unlink(missing_ok=True)
     timed = [TIME, "-f", "%M", "-o", rss_file] if TIME.is_file() else []
     start = time.perf_counter()
+    if stdout is not None:
+        Path(stdout).unlink(missing_ok=True)  # a file of an earlier run: written anew, never appended to
     with open(log, "w") as err, open(stdout or log, "a") as out:
         process = subprocess.Popen([str(a) for a in timed + argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                    stdout=out, stderr=err if stdout else subprocess.STDOUT)
