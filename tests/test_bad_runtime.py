@@ -328,6 +328,7 @@ def cannot_join(port: int) -> str:
             f"FASTGEN_DIST_TIMEOUT")
 
 
+@pytest.mark.slow  # a rank process waits out its timeout
 @pytest.mark.parametrize("peer", ["nothing listens", "a listener that never answers"])
 def test_a_rank_that_cannot_join_prints_one_line_within_the_timeout(random_target, peer):
     """Rank 1 without a rank 0: nothing at the port (torch's connect timeout), or a process that accepts the

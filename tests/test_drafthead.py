@@ -373,6 +373,7 @@ def test_a_head_trains_on_the_float_file_and_drafts_for_its_quantized_ones(rando
     assert drafted.generate(prompts, 24, Sampling(0))[0] == plain.generate(prompts, 24, Sampling(0))[0]
 
 
+@pytest.mark.slow  # trains a head
 def test_training_ends_with_its_time_budget(random_target, tmp_path):
     """--max_minutes ends training (and its learning-rate schedule) however many epochs were asked for."""
     import train_draft_head

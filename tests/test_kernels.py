@@ -456,6 +456,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a child process per ISA
 def test_attention_reads_no_key_before_the_first_allowed(isa):
     """The own kernel (a few tokens, AVX2 / AVX-512) reads a row's keys and values from the first its mask allows:
     an idle row of a decode step, which sees only the last slot, costs one key, not the whole cache (ATen's kernel,
