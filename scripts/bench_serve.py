@@ -80,20 +80,28 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float, log=None):
     raise SystemExit(f"error: serve.py was not ready after {timeout:.0f} s")
 
 
-def one_request(port: int, prompt: str, max_tokens: int) -> dict:
-    """One streaming completion: its send time, the arrival times of its text chunks, its completion tokens."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+def stream(port: int, path: str, body: dict, timeout: float):
+    """POST a greedy streaming request with usage: (connection, response, send time)."""
+    body = dict(body, temperature=0, stream=True, stream_options={"include_usage": True})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     sent = time.perf_counter()
-    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    arrivals, tokens, figures = [], 0, {}
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return connection, connection.getresponse(), sent
+
+
+def chunks(response):
+    """The JSON chunks of a server-sent event stream, up to [DONE]."""
     for line in response:
         line = line.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def one_request(port: int, prompt: str, max_tokens: int) -> dict:
+    """One streaming completion: its send time, the arrival times of its text chunks, its completion tokens."""
+    connection, response, sent = stream(port, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens}, 120)
+    arrivals, tokens, figures = [], 0, {}
+    for chunk in chunks(response):
         figures = chunk.get("fastgen") or figures
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
@@ -154,22 +162,14 @@ def serving(checkpoint: Path, batch: int, flags: list):
 
 def chat_request(port: int, messages: list, max_tokens: int) -> dict:
     """One greedy streaming chat completion: its answer text, time to its first text, usage and `fastgen`."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    sent = time.perf_counter()
-    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
+    connection, response, sent = stream(port, "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens},
+                                        600)
     if response.status != 200:
         said = json.loads(response.read() or b"{}").get("error", {}).get("message", "")
         raise SystemExit(f"error: the server refused a chat turn with {response.status}: {said} (lower "
                          f"--chat_history or --max_tokens)")
     text, first, usage, figures = "", None, None, {}
-    for line in response:
-        line = line.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
+    for chunk in chunks(response):
         if "error" in chunk:
             raise SystemExit(f"error: the server answered a chat turn with: {chunk['error']['message']}")
         figures = chunk.get("fastgen") or figures
