@@ -167,7 +167,9 @@ def c_shims() -> dict:
                   ops.a8_int8_linear.default: tensors("x", "weight", "scales"),
                   ops.a8_int4_linear.default: tensors("x", "weight", "scales_and_zeros") + ", int64_t groupsize",
                   ops.attention.default: tensors("q", "k", "v", "mask"),
-                  ops.f32_linear.default: tensors("x", "packed") + ", int64_t N"}
+                  ops.f32_linear.default: tensors("x", "packed") + ", int64_t N",
+                  torch.ops.quantized.int4mm_packed_weight_cpu.default:
+                      tensors("x", "weight", "groupsize", "scales_and_zeros")}
     return {op: [f"AOTITorchError aoti_torch_cpu_{op._opname}({args}, AtenTensorHandle* ret0)"]
             for op, args in signatures.items()}
 

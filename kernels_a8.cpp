@@ -4,6 +4,7 @@
 // weights for it (Int8A8Linear, Int4A8Linear).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -1152,6 +1153,13 @@ AOTITorchError aoti_torch_cpu_a8_int4_linear(AtenTensorHandle x, AtenTensorHandl
 AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
                                         AtenTensorHandle mask, AtenTensorHandle* ret0) {
   FASTGEN_SHIM(attention, attention(T(q), T(k), T(v), T(mask)));
+}
+// weight-only int4 (quantize.Int4Linear): ATen's own kernel, under the name the shim convention gives its operator
+AOTITorchError aoti_torch_cpu_int4mm_packed_weight_cpu(AtenTensorHandle x, AtenTensorHandle weight,
+                                                      AtenTensorHandle groupsize, AtenTensorHandle scales_and_zeros,
+                                                      AtenTensorHandle* ret0) {
+  FASTGEN_SHIM(int4mm_packed_weight_cpu,
+               at::_weight_int4pack_mm_for_cpu(T(x), T(weight), T(groupsize).item<int64_t>(), T(scales_and_zeros)));
 }
 }
 #undef T

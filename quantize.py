@@ -138,11 +138,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2,
                                                              dtype=torch.bfloat16, device=device))
         self.packed_for_cpu = False  # True once `weight` is in the CPU kernel's own layout
+        # the group size as a tensor of the module's: inductor's lowering of aten._weight_int4pack_mm_for_cpu makes
+        # it a constant of its own, which a stored graph (kernels only) would not have at load
+        self.register_buffer("groupsize_tensor", torch.tensor([groupsize]), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed_for_cpu:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.weight,
-                                                           self.groupsize, self.scales_and_zeros.to(torch.bfloat16))
+            y = torch.ops.quantized.int4mm_packed_weight_cpu(x.reshape(-1, x.shape[-1]).to(torch.bfloat16),
+                                                             self.weight, self.groupsize_tensor,
+                                                             self.scales_and_zeros.to(torch.bfloat16))
             return y.view(*x.shape[:-1], -1).to(x.dtype)
         return F.linear(x, dequantize_int4(self.weight, self.scales_and_zeros, self.groupsize, x.dtype))
 

@@ -375,12 +375,20 @@ def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path, capsys):
     rows = compile_model.compile_model(checkpoint, speculation=generation.Speculation(2), draft_head=tmp_path / "head")
     assert "compiling the graph of" not in capsys.readouterr().err  # everything the configuration needs is there
     assert [row["stem"] for row in rows] == [checkpoint.stem, "head"]
-    a8 = quantize.quantize_checkpoint(checkpoint, "int8-a8")
-    eager = generation.Generator.build(a8).generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0]
-    stored_a8 = generation.Generator.build(a8, compile="auto")
-    assert stored_a8.generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0] == eager
-    libraries = list((checkpoint.parent / "compiled").glob(f"{a8.stem}-*.so"))
-    assert libraries and b"aoti_torch_cpu_a8_int8_linear" in libraries[0].read_bytes()  # called directly, not boxed
+    # quantized layers call their operators' C entry points directly, not boxed through the proxy executor; the
+    # weight-only int4 graph reads no constant inductor made itself (its lowering turns the group size into one)
+    for scheme, groupsize, shim in (("int8-a8", None, b"aoti_torch_cpu_a8_int8_linear"),
+                                    ("int4", 32, b"aoti_torch_cpu_int4mm_packed_weight_cpu")):
+        quantized = quantize.quantize_checkpoint(checkpoint, scheme, groupsize)
+        eager = generation.Generator.build(quantized).generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0]
+        for _ in range(2):  # built, then loaded
+            capsys.readouterr()
+            graphs = generation.Generator.build(quantized, compile="auto")
+            assert graphs.generate(prompt, 20, decode.Sampling(), stop_at_eos=False)[0] == eager
+            assert "compiling it in this process" not in capsys.readouterr().err
+        libraries = list((checkpoint.parent / "compiled").glob(f"{quantized.stem}-*.so"))
+        assert len(libraries) == 1 and shim in libraries[0].read_bytes()
+        assert not list((checkpoint.parent / "compiled").glob(f"{quantized.stem}-*.failed"))
 
 
 KERNELS_RUN = """
