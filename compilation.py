@@ -3,6 +3,7 @@ AOTInductor graphs (StoredGraph: kernels only, one per batch and cache batch for
 checkpoint, keyed and signed by artifacts.py) and their child-process load check; the portable kernel cache of graphs compiled in the
 process (CompileCache); CUDA graph replay of a stored graph's few-token calls (Replayed); the regions' compiled
 block. decode.compile_engine decides which of these a model gets."""
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -410,7 +411,8 @@ class StoredGraph:
         dynamic = (*({2: tokens, 3: length} if a.dtype == torch.bool else {1: tokens}  # the mask: [B, 1, T, S]
                      for a in example[:n]), tuple({2: length} for _ in example[n:]))  # *caches: [B, H, S, D] each
         with torch.no_grad():
-            program = torch.export.export(self.exported(), example, strict=False, dynamic_shapes=dynamic)
+            with buffers_as_parameters(self.module):
+                program = torch.export.export(self.exported(), example, strict=False, dynamic_shapes=dynamic)
             package = Path(f"{tmp}.pt2")  # the packager wants its suffix
             try:
                 configs = dict(self.options)  # a copy: the packager adds to it
@@ -597,6 +599,27 @@ def compile_head(head: torch.nn.Module, device: str, mode: str = "auto"):
         head.compiled = torch.compile(head.body, fullgraph=True, dynamic=True,
                                       **graph_options(head, device, "autotune" if mode == "autotune" else "whole"))
     return head
+
+
+@contextlib.contextmanager
+def buffers_as_parameters(module: torch.nn.Module):
+    """The module's buffers as parameters on the same memory while it is exported: AOTInductor copies every buffer of
+    the program it compiles (a graph may write one) and no parameter, and ours (integer weights, packed blocks,
+    tables) are only read, so a build would hold a second copy of the weights."""
+    moved = []
+    for m in module.modules():
+        for name, t in list(m._buffers.items()):
+            if t is not None:
+                moved.append((m, name, t, name not in m._non_persistent_buffers_set))
+                del m._buffers[name]
+                m._non_persistent_buffers_set.discard(name)
+                m._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+    try:
+        yield
+    finally:
+        for m, name, t, persistent in moved:
+            del m._parameters[name]
+            m.register_buffer(name, t, persistent=persistent)
 
 
 def example_inputs(batch: int, length: int, device: str, tokens: int = 4):

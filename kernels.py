@@ -5,6 +5,7 @@ kernels_a8.cpp, the integer kernels of the int8-a8 / int4-a8 schemes (quantize.p
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import subprocess
 import sys
@@ -219,8 +220,56 @@ def use_stored_layout(model: torch.nn.Module):
             continue
         if hasattr(module, "use_blocks") and native_f32_linear(weight):
             module.use_blocks(pack_f32(weight))
+            release_file_pages(model)  # weight by weight: the file's pages and the blocks never all at once
         elif column_major_is_faster(weight) and weight.stride() != (1, weight.shape[0]):
             weight.data = weight.data.t().contiguous().t()
+    release_file_pages(model)
+
+
+MADV_DONTNEED = 4  # Linux: a private file mapping's pages are dropped, and read from the file again if touched
+
+
+def release_file_pages(model: torch.nn.Module):
+    """Drop this process's resident pages of memory-mapped files (a checkpoint loaded with mmap=True) that no tensor
+    of the model reads any more: weights packed, stacked or converted into memory of their own were read once, and
+    their file pages would count in the process's memory beside the copy until the file is unmapped. Only private
+    file mappings, and only outside every range a tensor of the model still uses (nothing else reads a weight the
+    model let go; a page touched again is read from the file as it was)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    mappings = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[1].endswith("p") and fields[5].startswith("/") and "(deleted)" not in fields[5]:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            mappings.append((start, end))
+    if not mappings:
+        return
+    used = sorted((t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+                  for t in itertools.chain(model.parameters(), model.buffers())
+                  if t.device.type == "cpu" and t.untyped_storage().nbytes())
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for start, end in mappings:
+        if not any(a < end and b > start for a, b in used):
+            continue  # a file the model does not read from (a library, or a checkpoint it no longer uses at all)
+        gaps, at = [], start
+        for a, b in used:
+            if b <= start or a >= end:
+                continue
+            gaps.append((at, a))
+            at = max(at, b)
+        gaps.append((at, end))
+        for a, b in gaps:
+            a, b = -(-a // page) * page, b // page * page  # whole pages only: a used tensor's edge stays
+            if b > a:
+                libc.madvise(a, b - a, MADV_DONTNEED)
 
 
 A8_BUILT = False  # a8_kernels() succeeded: what a graph being traced reads (dynamo would trace a8_kernels' build)

@@ -294,9 +294,11 @@ def pack_for_device(model: nn.Module):
     """After loading (and sharding): w1 and w3 stacked (fuse_gate_up), and int8 and int4 weights on the CPU in
     their CPU kernel's layout."""
     fuse_gate_up(model)
+    kernels.release_file_pages(model)
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8Linear)):
+        if isinstance(module, (Int4Linear, Int8Linear)) and not module.packed_for_cpu:
             module.pack_for_cpu()
+            kernels.release_file_pages(model)  # the file's pages of a weight now in a layout of its own
 
 
 def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict:
