@@ -1254,7 +1254,10 @@ def follow(args: argparse.Namespace, shard, lockstep):
     """A rank other than 0 (it never listens): its shard of the model, then rank 0's calls on it until rank 0 stops
     the server or goes away. Never returns."""
     import tp
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank of a terminal: rank 0 stops the others
+    # Ctrl-C reaches every rank of a terminal, torchrun hands its SIGTERM to every rank: rank 0 stops the others (a
+    # rank that left at once would be a lost rank to rank 0); a rank ends when rank 0 stops it or goes away
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     try:
         lockstep.follow(build_scheduler(args, shard).engine, sdpa_context)
     except (UserError, RanksFailed) as e:

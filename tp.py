@@ -267,11 +267,11 @@ class Lockstep:
     MODEL, PING, STOP = "<model>", "<ping>", "<stop>"
     PING_SECONDS = 2.0  # an idle rank 0 looks this often whether the others are still there (keep_alive)
 
-    def __init__(self):
+    def __init__(self, group=None):
         """Every rank, right after joining (before loading, so that a rank that fails to load is a closed connection
         for the others, not a wait for a group that never forms)."""
         # gloo whatever the backend: a dead peer shows as a closed connection at the next call, not an NCCL timeout
-        self.group = dist.new_group(backend="gloo")
+        self.group = group if group is not None else dist.new_group(backend="gloo")
         self.engine, self.names, self.device = None, [], None
         self.last = time.monotonic()
         self.failed = None
@@ -342,27 +342,34 @@ class Lockstep:
         away (RanksFailed). `context` (a function returning a context manager) wraps each call as rank 0's caller
         wraps its own."""
         self.attach(engine)
-        calls = {name: getattr(self.engine, name) for name in self.names}
-        while True:
-            box = [None]
-            try:
-                dist.broadcast_object_list(box, src=0, group=self.group)
-            except Exception as e:
-                reason = peer_lost(e) or f"{type(e).__name__}: {str(e).strip()[:160]}"
-                raise RanksFailed(f"rank {dist.get_rank()} lost rank 0 ({reason}): the server stopped; its error, "
-                                  f"if any, is above") from e
-            name, args, kwargs = box[0]
-            if name == self.STOP:
-                return
-            if name == self.PING:
-                continue
-            args, kwargs = self.local(args), {key: self.local([v])[0] for key, v in kwargs.items()}
+        while self.run(self.receive(), context):
+            pass
+
+    def receive(self):
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except Exception as e:
+            reason = peer_lost(e) or f"{type(e).__name__}: {str(e).strip()[:160]}"
+            raise RanksFailed(f"rank {dist.get_rank()} lost rank 0 ({reason}): the server stopped; its error, if "
+                              f"any, is above") from e
+        return box[0]
+
+    def run(self, message, context=None) -> bool:
+        """One call of rank 0's on this rank's engine; False at the end."""
+        name, args, kwargs = message
+        if name == self.STOP:
+            return False
+        if name != self.PING:
+            args, kwargs = self.local(args), {key: self.local([value])[0] for key, value in kwargs.items()}
             try:
                 with torch.no_grad(), context() if context else contextlib.nullcontext():
-                    calls[name](*args, **kwargs)
+                    getattr(self.engine, name)(*args, **kwargs)
             except Exception as e:
-                raise RanksFailed(f"rank {dist.get_rank()}: `{name}` failed ({type(e).__name__}: "
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise RanksFailed(f"rank {rank}: `{name}` failed ({type(e).__name__}: "
                                   f"{(str(e).strip().splitlines() or [''])[0][:160]}); the server stops") from e
+        return True
 
     def local(self, values: list) -> list:
         return [self.engine.model if isinstance(value, str) and value == self.MODEL else
