@@ -13,7 +13,8 @@ sees, and see only one slot themselves. Each row's token is drawn from its own l
 and torch.Generator. A request alone in the batch (with a drafter configured) decodes through the library's
 speculative loop instead (Scheduler.speculate). A cache row keeps the keys and values of its last request when it
 ends (its prompt and answer): a newcomer whose prompt starts with some row's ids starts its prefill after them
-(the prefix cache, Scheduler.place).
+(the prefix cache, Scheduler.place). Under torchrun (tensor parallelism) rank 0 serves and every other rank runs rank
+0's engine calls on its shard of the model (tp.Lockstep, main).
 """
 import argparse
 import asyncio
