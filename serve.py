@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from errors import UserError, interruptible_imports
+from errors import UserError, flag_names, interruptible_imports
 
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
@@ -1246,8 +1246,11 @@ def join_ranks(args: argparse.Namespace) -> tuple:
     if world_size == 1:
         return 0, None, None
     import tp
-    tp.check_same_settings({name: str(value) for name, value in vars(args).items()
-                            if name not in ("host", "port", "api_key")})
+    try:
+        tp.check_same_settings({name: str(value) for name, value in vars(args).items()
+                                if name not in ("host", "port", "api_key")})
+    except UserError as e:
+        raise UserError(flag_names(str(e), {name: f"--{name}" for name in vars(args)})) from None
     return rank, shard, tp.Lockstep()
 
 

@@ -150,7 +150,8 @@ def metric(port: int, name: str) -> float:
 
 def clean_env(**extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+                 "TORCHELASTIC_RUN_ID"):
         if name not in extra:
             env.pop(name, None)
     return env
