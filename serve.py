@@ -544,7 +544,8 @@ class Scheduler:
             return
         na, nb = self.held(a), self.held(b)
         slots = list(range(na)) + list(range(nb))  # one call: every read happens before any write
-        self.engine.move_cache_slots(slots, slots, [b] * na + [a] * nb, [a] * na + [b] * nb)
+        if slots:
+            self.engine.move_cache_slots(slots, slots, [b] * na + [a] * nb, [a] * na + [b] * nb)
         with self.wake:
             self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
             self.kept[a], self.kept[b] = self.kept[b], self.kept[a]
@@ -583,7 +584,8 @@ class Scheduler:
 
     def copy_cache(self, source: int, target: int, n: int):
         """Cache row `source`'s first n slots (keys and values of every layer) into row `target`."""
-        self.engine.move_cache_slots(list(range(n)), list(range(n)), [target] * n, [source] * n)
+        if n:
+            self.engine.move_cache_slots(list(range(n)), list(range(n)), [target] * n, [source] * n)
 
     def prefill(self, r: Request):
         """The next chunk of r's prompt through a [1, chunk] forward on cache row 0: prefill computes only the row

@@ -4,6 +4,8 @@ Every rank holds a slice of each block: wqkv (its n_head/N query and n_kv/N KV h
 wo and w2 row-parallel, their partial sums added by one all-reduce each. The output layer is split by vocabulary rows
 (when N divides it) and all-gathered; embeddings and the draft are replicated. Ranks never diverge: all compute the
 same logits and sample from the same seed, so they pick the same tokens without a broadcast (docs/tensor-parallel.md).
+A server is another matter (requests arrive at rank 0 alone): there rank 0 leads and the others follow its engine
+calls (Lockstep).
 """
 import contextlib
 import dataclasses
