@@ -110,6 +110,24 @@ def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, sampling:
     return sample(logits[:, -1], sampling)
 
 
+def move_cache_slots(model: Transformer, src: list, dst: list, rows: Optional[list] = None,
+                     from_rows: Optional[list] = None):
+    """Copy keys/values of cache slots src -> dst (every layer), slot src[i] of batch row from_rows[i] to slot dst[i]
+    of row rows[i] (rows default to row 0, from_rows to rows); all reads happen before any write, so a path can move
+    onto slots it is leaving, and two rows can trade their slots in one call."""
+    rows = rows if rows is not None else [0] * len(src)
+    from_rows = from_rows if from_rows is not None else rows
+    moves = [(a, s, b, d) for a, s, b, d in zip(from_rows, src, rows, dst) if (a, s) != (b, d)]
+    if not moves:
+        return
+    device = model.tok_embeddings.weight.device
+    from_t, src_t, row_t, dst_t = torch.tensor(moves, device=device).unbind(1)
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        cache.k_cache[row_t, :, dst_t] = cache.k_cache[from_t, :, src_t]  # [moves, H, D] per side
+        cache.v_cache[row_t, :, dst_t] = cache.v_cache[from_t, :, src_t]
+
+
 # ----------------------------------------------------------------------------- the engine: how a model runs
 
 
@@ -134,6 +152,9 @@ class Engine:
     forward_features: callable = None  # forward() that also returns those features (Transformer.forward_features)
     cache: object = None  # the CompileCache its callables store their kernels in (modes compiled in the process)
     stored: object = None  # the StoredForward of a stored engine
+    # every change to the model's cache outside a forward goes through this (move_cache_slots on the model): with the
+    # forwards, the whole of what a tensor-parallel server mirrors on its other ranks (tp.Lockstep)
+    move_cache_slots: callable = None
 
     @property
     def ran_as(self) -> str:
@@ -147,6 +168,8 @@ class Engine:
     def __post_init__(self):
         if self.forward is None:
             self.forward = self.model
+        if self.move_cache_slots is None:
+            self.move_cache_slots = functools.partial(move_cache_slots, self.model)
         if self.forward_features is None and self.features:
             self.forward_features = functools.partial(self.model.forward_features, layers=self.features)
 

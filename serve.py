@@ -13,7 +13,8 @@ sees, and see only one slot themselves. Each row's token is drawn from its own l
 and torch.Generator. A request alone in the batch (with a drafter configured) decodes through the library's
 speculative loop instead (Scheduler.speculate). A cache row keeps the keys and values of its last request when it
 ends (its prompt and answer): a newcomer whose prompt starts with some row's ids starts its prefill after them
-(the prefix cache, Scheduler.place).
+(the prefix cache, Scheduler.place). Under torchrun (tensor parallelism) rank 0 serves and every other rank runs rank
+0's engine calls on its shard of the model (tp.Lockstep, main).
 """
 import argparse
 import asyncio
@@ -35,14 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from errors import UserError, interruptible_imports
+from errors import UserError, flag_names, interruptible_imports
 
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
 
 from compilation import COMPILE_MODES  # noqa: E402
 from decode import PRECISIONS, Sampling, chosen_is_finite, logits_to_probs, sdpa_context  # noqa: E402
-from generation import FiniteWatch, Generator, Speculation  # noqa: E402
+from generation import FiniteWatch, Generator, Speculation, setup_distributed  # noqa: E402
+from tp import RanksFailed  # noqa: E402
 
 log = logging.getLogger("serve")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -321,6 +323,8 @@ class Scheduler:
         self.waiting = collections.deque()
         self.wake = threading.Condition()
         self.stopping = False
+        self.failure = None  # why the server cannot go on (tensor parallelism: a rank lost), once it cannot
+        self.idle = lambda: None  # called every half second while no request runs (tensor parallelism: a ping)
         self.metrics = Metrics(max_batch_size)
         self.mailboxes = []  # where requests' events wait for flush() (Mailbox)
         self.thread = threading.Thread(target=self.loop, name="scheduler", daemon=True)
@@ -330,7 +334,7 @@ class Scheduler:
     def submit(self, r: Request):
         with self.wake:
             if self.stopping:
-                raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+                raise self.ending()
             if len(self.waiting) >= self.max_queue:
                 self.metrics.outcomes["rejected"] += 1
                 raise ApiError(429, f"the queue is full ({self.max_queue} requests wait): retry later",
@@ -356,32 +360,44 @@ class Scheduler:
     def loop(self):
         while True:
             with self.wake:
-                while not self.stopping and not self.waiting and not any(self.rows):
+                if not self.stopping and not self.waiting and not any(self.rows):
                     self.wake.wait(0.5)  # a timeout, so that a signal handler in this thread runs promptly
                 if self.stopping:
                     break
                 self.admit()
             live = [r for r in self.rows if r is not None]
-            if not live:
-                continue
             try:
+                if not live:
+                    self.idle()
+                    continue
                 lone = live[0] if len(live) == 1 else None
                 if lone is not None and self.can_speculate(lone):
                     self.speculate(lone)
                 else:
                     self.step()
+            except RanksFailed as e:  # tensor parallelism: the ranks cannot go on together; nor can the server
+                with self.wake:
+                    self.failure, self.stopping = str(e), True
+                break
             except Exception as e:  # a failed forward fails the requests in it, never the server
                 log.exception("a step failed")
                 for r in [r for r in self.rows if r is not None]:
                     self.fail(r, ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error"))
                 self.forget()  # a step that failed part way (a copy between rows) may have left any row's entries
             self.flush()
-        ending = ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+        ending = self.ending()
         with self.wake:
             for r in [r for r in self.rows if r is not None] + list(self.waiting):
+                r.error = ending
                 r.push(("error", ending))
             self.rows, self.waiting = [None] * self.batch, collections.deque()
         self.flush()
+
+    def ending(self) -> ApiError:
+        """The 503 of a server that stops: shutting down, or the ranks of tensor parallelism lost (self.failure)."""
+        if self.failure:
+            return ApiError(503, self.failure, kind="server_error", code="tensor_parallel_failed")
+        return ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
 
     def flush(self):
         """Hand this step's events to the HTTP side."""
@@ -527,17 +543,9 @@ class Scheduler:
         if a == b:
             return
         na, nb = self.held(a), self.held(b)
-        if not nb:
-            self.copy_cache(a, b, na)
-        elif not na:
-            self.copy_cache(b, a, nb)
-        else:
-            for layer in self.model.layers:
-                cache = layer.attention.kv_cache
-                for c in (cache.k_cache, cache.v_cache):
-                    saved = c[a, :, :na].clone()
-                    c[a, :, :nb] = c[b, :, :nb]
-                    c[b, :, :na] = saved
+        slots = list(range(na)) + list(range(nb))  # one call: every read happens before any write
+        if slots:
+            self.engine.move_cache_slots(slots, slots, [b] * na + [a] * nb, [a] * na + [b] * nb)
         with self.wake:
             self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
             self.kept[a], self.kept[b] = self.kept[b], self.kept[a]
@@ -576,12 +584,8 @@ class Scheduler:
 
     def copy_cache(self, source: int, target: int, n: int):
         """Cache row `source`'s first n slots (keys and values of every layer) into row `target`."""
-        if n == 0:
-            return
-        for layer in self.model.layers:
-            cache = layer.attention.kv_cache
-            cache.k_cache[target, :, :n] = cache.k_cache[source, :, :n]
-            cache.v_cache[target, :, :n] = cache.v_cache[source, :, :n]
+        if n:
+            self.engine.move_cache_slots(list(range(n)), list(range(n)), [target] * n, [source] * n)
 
     def prefill(self, r: Request):
         """The next chunk of r's prompt through a [1, chunk] forward on cache row 0: prefill computes only the row
@@ -868,7 +872,8 @@ class Service:
             log.info("ready")
         except Exception as e:
             self.failed = str(e)
-            log.error("error: %s", e)
+            if not self.scheduler.failure:  # that one is the server's last line (main)
+                log.error("error: %s", e)
             self.scheduler.stop()
 
     def start(self, build):
@@ -1193,13 +1198,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_scheduler(args: argparse.Namespace) -> Scheduler:
-    """The generator for these flags (as generate.py builds it) under a scheduler."""
+def build_scheduler(args: argparse.Namespace, shard=None) -> Scheduler:
+    """The generator for these flags (as generate.py builds it; its target sharded by `shard` under tensor
+    parallelism) under a scheduler."""
     depth = args.speculate_k if args.speculate_k == "auto" else int(args.speculate_k)
     precision = PRECISIONS[args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")]
     nodes = args.tree_nodes if args.tree_nodes in (None, "auto") else int(args.tree_nodes)
     generator = Generator.build(args.checkpoint_path, args.device, precision, args.draft_checkpoint_path,
-                                Speculation(depth, nodes, args.draft_ngram), args.compile, draft_head=args.draft_head)
+                                Speculation(depth, nodes, args.draft_ngram), args.compile, shard=shard,
+                                draft_head=args.draft_head)
     block = generator.model.args.block_size
     return Scheduler(generator, args.max_batch_size, args.max_queue, min(args.max_seq_length or 4096, block),
                      not args.no_prefix_cache)
@@ -1233,19 +1240,71 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def join_ranks(args: argparse.Namespace) -> tuple:
+    """Under torchrun with more than one process: join the other ranks (tp.py; every rank must get the same flags but
+    --host, --port and --api_key, which only rank 0 uses). Returns (rank, shard function, tp.Lockstep), or
+    (0, None, None) for one process."""
+    rank, world_size, shard = setup_distributed(args.device)
+    if world_size == 1:
+        return 0, None, None
+    import tp
+    try:
+        tp.check_same_settings({name: str(value) for name, value in vars(args).items()
+                                if name not in ("host", "port", "api_key")})
+    except UserError as e:
+        raise UserError(flag_names(str(e), {name: f"--{name}" for name in vars(args)})) from None
+    return rank, shard, tp.Lockstep()
+
+
+def follow(args: argparse.Namespace, shard, lockstep):
+    """A rank other than 0 (it never listens): its shard of the model, then rank 0's calls on it until rank 0 stops
+    the server or goes away. Never returns."""
+    import tp
+    # Ctrl-C reaches every rank of a terminal, torchrun hands its SIGTERM to every rank: rank 0 stops the others (a
+    # rank that left at once would be a lost rank to rank 0); a rank ends when rank 0 stops it or goes away
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        lockstep.follow(build_scheduler(args, shard).engine, sdpa_context)
+    except (UserError, RanksFailed) as e:
+        tp.end_process(f"error: {e}")
+    tp.end_process()
+
+
+def finish_ranks(lockstep, scheduler: Optional[Scheduler], status: int):
+    """Rank 0's end under tensor parallelism: the other ranks stopped and all leave together, or the one line of why
+    they could not go on (exit status 1 at least). Never returns."""
+    import tp
+    if scheduler is None:  # loading failed: its line is out; the others stop with a line of their own
+        tp.end_process("", max(status, 1))
+    failure = scheduler.failure
+    if failure is None:
+        try:
+            lockstep.stop()
+        except RanksFailed as e:
+            failure = str(e)
+    if failure:
+        tp.end_process(f"error: {failure}", max(status, 1))
+    tp.end_process(None, status)
+
+
 def main(argv=None) -> int:
-    """The model runs in the main thread (inductor's CPU GEMM templates compile only there), uvicorn in another."""
+    """The model runs in the main thread (inductor's CPU GEMM templates compile only there), uvicorn in another.
+    Under torchrun rank 0 serves; the other ranks follow its calls on their shards (follow, tp.Lockstep)."""
     import uvicorn
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    lockstep = None
     try:
         check_args(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
+        rank, shard, lockstep = join_ranks(args)
+        if rank > 0:
+            follow(args, shard, lockstep)
         sock = listen(args.host, args.port)
     except UserError as e:
+        if lockstep is not None:
+            import tp
+            tp.end_process(f"error: {e}")
         print(f"error: {e}", file=sys.stderr)
         return 1
     service = Service(args.checkpoint_path.parent.name, args.api_key)
@@ -1277,15 +1336,19 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
-    scheduler = service.load(lambda: build_scheduler(args))
+    scheduler = service.load(lambda: build_scheduler(args, shard))
+    if scheduler is not None and lockstep is not None:  # every call that changes the model reaches every rank
+        scheduler.engine = scheduler.generator.target = lockstep.leader(scheduler.engine)
+        scheduler.idle = lockstep.keep_alive
     if scheduler is not None and not stopping:
         threading.Thread(target=service.warm_up, name="warm-up", daemon=True).start()
         scheduler.loop()
     server.should_exit = True
     serving.join(10)
-    if terminated:
-        return 128 + terminated[0]
-    return 1 if service.failed else 0
+    status = 128 + terminated[0] if terminated else 1 if service.failed or (scheduler and scheduler.failure) else 0
+    if lockstep is not None:
+        finish_ranks(lockstep, scheduler, status)
+    return status
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from decode import EOS_CHECK_EVERY, Engine, Sampling, chosen_is_finite, decode_n_tokens, logits_to_probs, sample, \
-    sample_from, sdpa_context
+from decode import EOS_CHECK_EVERY, Engine, Sampling, chosen_is_finite, decode_n_tokens, logits_to_probs, \
+    move_cache_slots, sample, sample_from, sdpa_context  # noqa: F401 (move_cache_slots: draftmodel's, from here)
 from errors import UserError, write_atomically
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
@@ -170,20 +170,6 @@ def residual(p: Tensor, q: Optional[Tensor], x: int) -> Tensor:
     return rest / total if total > 0 else p
 
 
-def move_cache_slots(model, src: list, dst: list, rows: Optional[list] = None):
-    """Copy keys/values of cache slots src -> dst (every layer) in batch row rows[i] (default: row 0);
-    all reads happen before any write, so a path can move onto slots it is leaving."""
-    moves = [(r, s, d) for r, s, d in zip(rows if rows is not None else [0] * len(src), src, dst) if s != d]
-    if not moves:
-        return
-    device = model.tok_embeddings.weight.device
-    row_t, src_t, dst_t = torch.tensor(moves, device=device).unbind(1)
-    for layer in model.layers:
-        cache = layer.attention.kv_cache
-        cache.k_cache[row_t, :, dst_t] = cache.k_cache[row_t, :, src_t]  # [moves, H, D] per side
-        cache.v_cache[row_t, :, dst_t] = cache.v_cache[row_t, :, src_t]
-
-
 @dataclass
 class Stats:
     """Acceptance figures of one generation."""
@@ -264,7 +250,7 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
             rows += [b] * len(path)
             src += [pos[b] + node for node in path]
             dst += range(pos[b] + 1, pos[b] + 1 + len(path))
-    move_cache_slots(model, src, dst, rows)
+    target.move_cache_slots(src, dst, rows)
     return (results, hidden.clone()) if features else results  # clone: a CUDA graph's replay overwrites its outputs
 
 

@@ -4,13 +4,19 @@ Every rank holds a slice of each block: wqkv (its n_head/N query and n_kv/N KV h
 wo and w2 row-parallel, their partial sums added by one all-reduce each. The output layer is split by vocabulary rows
 (when N divides it) and all-gathered; embeddings and the draft are replicated. Ranks never diverge: all compute the
 same logits and sample from the same seed, so they pick the same tokens without a broadcast (docs/tensor-parallel.md).
+A server is another matter (requests arrive at rank 0 alone): there rank 0 leads and the others follow its engine
+calls (Lockstep).
 """
+import contextlib
+import dataclasses
 import hashlib
 import math
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -215,18 +221,19 @@ def keep_columns(linear: nn.Module, rank: int, world_size: int):
         linear.in_features //= world_size
 
 
-def end_process(error=None, status: int = 1):
-    """End this rank: on success all ranks leave together; else print `error`, exit with `status`, no barrier (a peer
-    may be inside a collective). os._exit: interpreter shutdown can abort while the collective threads free tensors."""
+def end_process(error=None, status: Optional[int] = None):
+    """End this rank: on success (error None) all ranks leave together; else print `error` (unless empty: printed
+    already), no barrier (a peer may be inside a collective). Exit status: `status`, by default 0 on success, else 1.
+    os._exit: interpreter shutdown can abort while the collective threads free tensors."""
     if error is None:
         dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    if error is not None:
+    if error:
         # one write of the whole line: the ranks share stderr, and print's separate newline lets two lines interleave
         os.write(sys.stderr.fileno(), f"{error}\n".encode())
-    os._exit(0 if error is None else status)
+    os._exit(status if status is not None else 0 if error is None else 1)
 
 
 def read_prompt(question: str) -> str:
@@ -241,3 +248,142 @@ def read_prompt(question: str) -> str:
     if box[0] is None:
         raise EOFError
     return box[0]
+
+
+# ----------------------------------------------------------------------------- serving: rank 0 leads, the others follow
+
+class RanksFailed(RuntimeError):
+    """Tensor-parallel serving cannot go on: a rank went away, or a call that ran on every rank failed on this one
+    (the ranks may be out of step). The message is the one line a server prints and answers with."""
+
+
+class Lockstep:
+    """Tensor-parallel serving (serve.py under torchrun): rank 0 runs the server and its scheduler; the other ranks
+    hold their shards and follow. Everything that changes the target model's state is an engine callable (its
+    forwards, decode_one_token, prefill, move_cache_slots: every field of the engine typed `callable`), so wrapping
+    the engine once mirrors every caller, the speculative loop's included: rank 0's engine (leader()) broadcasts each
+    call, its name and arguments (tensors on the host, the model as a marker), over a gloo group of their own, then
+    runs it; the other ranks run the same calls in the same order on their shards (follow()), so their collectives
+    meet rank 0's. Only rank 0 samples, drafts (the draft is replicated and runs there alone) and decides; the
+    others never see a token's choice, only the calls it leads to."""
+    MODEL, PING, STOP = "<model>", "<ping>", "<stop>"
+    PING_SECONDS = 2.0  # an idle rank 0 looks this often whether the others are still there (keep_alive)
+
+    def __init__(self, group=None):
+        """Every rank, right after joining (before loading, so that a rank that fails to load is a closed connection
+        for the others, not a wait for a group that never forms)."""
+        # gloo whatever the backend: a dead peer shows as a closed connection at the next call, not an NCCL timeout
+        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.engine, self.names, self.device = None, [], None
+        self.last = time.monotonic()
+        self.failed = None
+
+    def attach(self, engine):
+        self.engine = engine
+        self.names = [f.name for f in dataclasses.fields(engine) if f.type is callable and getattr(engine, f.name)]
+        self.device = engine.model.tok_embeddings.weight.device
+
+    # --- rank 0
+
+    def leader(self, engine):
+        """The engine rank 0 runs: each callable broadcasts its call first. A call that fails there is RanksFailed:
+        the other ranks ran it too, or are waiting inside it for this rank's collective."""
+        self.attach(engine)
+
+        def mirrored(name, fn):
+            def call(*args, **kwargs):
+                self.send((name, self.portable(args), self.portable(kwargs)))
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as e:
+                    raise self.failure(e, f"`{name}` failed") from e
+            return call
+        return dataclasses.replace(self.engine, **{name: mirrored(name, getattr(self.engine, name))
+                                                   for name in self.names})
+
+    def portable(self, values):
+        """Arguments as the other ranks can load them: tensors on the host, the model named, the rest as it is."""
+        if isinstance(values, dict):
+            return {key: self.portable([value])[0] for key, value in values.items()}
+        return [self.MODEL if value is self.engine.model else value.cpu() if isinstance(value, torch.Tensor)
+                else value for value in values]
+
+    def send(self, message):
+        if self.failed is not None:
+            raise RanksFailed(self.failed)
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.group)
+        except Exception as e:
+            raise self.failure(e, "a call could not reach them") from e
+        self.last = time.monotonic()
+
+    def failure(self, e: Exception, what: str) -> RanksFailed:
+        reason = peer_lost(e)
+        self.failed = (f"rank 0 lost the other ranks of tensor parallelism ({reason}): a rank failed or was stopped; "
+                       f"restart the server" if reason else
+                       f"tensor parallelism stopped: {what} on rank 0 ({type(e).__name__}: "
+                       f"{(str(e).strip().splitlines() or [''])[0][:160]}), the ranks may be out of step; restart the "
+                       f"server")
+        return RanksFailed(self.failed)
+
+    def keep_alive(self):
+        """Called by an idle rank 0: a ping now and then, so that a rank gone while no request ran is noticed (its
+        connection found closed) without waiting for the next request."""
+        if time.monotonic() - self.last >= self.PING_SECONDS:
+            self.send((self.PING, [], {}))
+
+    def stop(self):
+        """The other ranks leave follow(); nothing more is sent."""
+        self.send((self.STOP, [], {}))
+        self.failed = "the server is shutting down"
+
+    # --- the other ranks
+
+    def follow(self, engine, context=None):
+        """Run rank 0's calls on this rank's shard (`engine`, built as rank 0's) until it stops (returns) or goes
+        away (RanksFailed). `context` (a function returning a context manager) wraps each call as rank 0's caller
+        wraps its own."""
+        self.attach(engine)
+        while self.run(self.receive(), context):
+            pass
+
+    def receive(self):
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except Exception as e:
+            reason = peer_lost(e) or f"{type(e).__name__}: {str(e).strip()[:160]}"
+            raise RanksFailed(f"rank {dist.get_rank()} lost rank 0 ({reason}): the server stopped; its error, if "
+                              f"any, is above") from e
+        return box[0]
+
+    def run(self, message, context=None) -> bool:
+        """One call of rank 0's on this rank's engine; False at the end."""
+        name, args, kwargs = message
+        if name == self.STOP:
+            return False
+        if name != self.PING:
+            args, kwargs = self.local(args), {key: self.local([value])[0] for key, value in kwargs.items()}
+            try:
+                with torch.no_grad(), context() if context else contextlib.nullcontext():
+                    getattr(self.engine, name)(*args, **kwargs)
+            except Exception as e:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise RanksFailed(f"rank {rank}: `{name}` failed ({type(e).__name__}: "
+                                  f"{(str(e).strip().splitlines() or [''])[0][:160]}); the server stops") from e
+        return True
+
+    def local(self, values: list) -> list:
+        return [self.engine.model if isinstance(value, str) and value == self.MODEL else
+                value.to(self.device) if isinstance(value, torch.Tensor) else value for value in values]
+
+
+def peer_lost(e: Exception):
+    """The reason, if `e` is a collective that failed because another rank went away (gloo: "Connection closed by
+    peer"; NCCL), else None."""
+    text = str(e)
+    if not (isinstance(e, getattr(dist, "DistError", ())) or any(w in text for w in ("gloo", "NCCL", "closed by peer",
+                                                                                      "Connection reset"))):
+        return None
+    reason = (text.strip().splitlines() or [type(e).__name__])[0]
+    return reason.split("] ", 1)[-1].split(". ")[0][:160]  # "[.../pair.cc:537] Connection closed by peer [...]:N"
