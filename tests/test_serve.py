@@ -639,7 +639,7 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": -100}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     # JSON escapes of lone surrogates: strings no tokenizer encodes (they were a 500 with a traceback)
     ("/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
