@@ -241,7 +241,7 @@ def test_nan_or_infinite_logits_fail_only_their_request():
     from types import SimpleNamespace
     failed, accepted = [], []
     stub = SimpleNamespace(fail=lambda r, error: failed.append((r, error.message)),
-                           accept=lambda r, token: accepted.append(r))
+                           accept=lambda r, token, scores=None: accepted.append(r))
     requests = [serve.Request([1], 5, Sampling(temperature=t)) for t in (0, 0, 0.8, 0.8, 0, 0.8)]
     logits = torch.randn(6, 50)
     logits[1, 7], logits[3, 2], logits[4, 3], logits[5, 0] = float("nan"), float("inf"), -float("inf"), float("nan")
