@@ -225,12 +225,16 @@ def token_text(tokenizer, token_bytes: list, byte_ids: frozenset, context: list,
     return text, list(text.encode("utf-8"))
 
 
+LOGPROB_FLOOR = -9999.0  # OpenAI's value for a token ruled out (JSON has no -Infinity)
+
+
 def logprob_entry(scores: torch.Tensor, token: int, top: int, text_of) -> dict:
     """OpenAI's logprobs record of `token` chosen from a row of the target's logits (or log-probabilities) [V]:
     {"token", "logprob", "bytes", "top_logprobs": the `top` likeliest tokens'}. The distribution is the target's
     own at temperature 1 (log_softmax of its logits; of log-probabilities, the same), whatever the request's
     sampling settings: what a client scoring text needs."""
-    scores = scores.float().log_softmax(-1)
+    scores = scores.float().log_softmax(-1).nan_to_num(LOGPROB_FLOOR, LOGPROB_FLOOR, LOGPROB_FLOOR).clamp_min(
+        LOGPROB_FLOOR)
     values, ids = scores.topk(top) if top else (scores[:0], scores[:0].long())
     out = dict(zip(("token", "bytes"), text_of(token)), logprob=float(scores[token]))
     out["top_logprobs"] = [dict(zip(("token", "bytes"), text_of(i)), logprob=v)

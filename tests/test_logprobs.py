@@ -188,18 +188,30 @@ class Scored:
         return self.speculator.generate(*args, **kwargs, logprobs=True)
 
 
-@pytest.mark.parametrize("drafter", ["draft chain", "draft tree", "ngram", "auto plain"])
+@pytest.fixture(scope="module")
+def head(library, tmp_path_factory):
+    from drafthead import save_head
+    from test_drafthead import random_head
+    path = tmp_path_factory.mktemp("logprobs_head") / "head"
+    save_head(random_head(library.model, 200, seed=4), path)
+    return path
+
+
+@pytest.mark.parametrize("drafter", ["draft chain", "draft tree", "ngram", "auto plain", "head auto"])
 @pytest.mark.parametrize("temperature", [0, 0.8])
-def test_speculator_scores_each_token_with_the_targets_log_softmax(random_target, near_draft, reference,
+def test_speculator_scores_each_token_with_the_targets_log_softmax(random_target, near_draft, head, reference,
                                                                    monkeypatch, drafter, temperature):
     """Speculator.generate(logprobs=True): every token after the first comes with the target's log-probabilities
-    where it was chosen, from an accepted draft, the token after it, or a plain step of `auto`."""
+    where it was chosen, from an accepted draft, the token after it, or a plain step of `auto` (a draft head's
+    plain steps keep the target's features too)."""
     if drafter == "auto plain":
         monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: None)
     how = {"draft chain": generation.Speculation(3), "draft tree": generation.Speculation(3, 6),
-           "ngram": generation.Speculation(3, None, 2), "auto plain": generation.Speculation("auto")}[drafter]
-    library = generation.Generator.build(random_target, draft_checkpoint_path=None if drafter == "ngram" else
-                                         near_draft, speculation=how)
+           "ngram": generation.Speculation(3, None, 2), "auto plain": generation.Speculation("auto"),
+           "head auto": generation.Speculation("auto", "auto")}[drafter]
+    draft = {"ngram": None, "head auto": None}.get(drafter, near_draft)
+    library = generation.Generator.build(random_target, draft_checkpoint_path=draft, speculation=how,
+                                         draft_head=head if drafter == "head auto" else None)
     prompt = library.tokenizer.encode_prompt(PROMPTS[1])
     torch.manual_seed(0)
     for _ in range(2 if drafter == "ngram" else 1):  # the n-gram lookup drafts from the run's earlier answer
@@ -210,7 +222,7 @@ def test_speculator_scores_each_token_with_the_targets_log_softmax(random_target
     assert [t for t, _ in got] == tokens[0] and got[0][1] is None
     check_answer(reference, prompt + tokens[0][:1], tokens[0][1:], [float(s[t]) for t, s in got[1:]])
     # (the random target's flat distribution rejects most sampled n-grams)
-    if drafter != "auto plain" and (temperature == 0 or drafter != "ngram"):
+    if drafter.startswith("draft") or drafter == "ngram" and temperature == 0:
         assert stats["tokens_per_target_forward"] > 1  # drafts were accepted
 
 

@@ -948,6 +948,10 @@ def test_a_lone_request_speculates_with_a_draft_of_another_tokenizer(random_targ
         long_chat_answer(running, library, 48)
         sampled = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0.8})[1]
         assert sampled["usage"]["completion_tokens"] == 20 or sampled["choices"][0]["finish_reason"] == "stop"
+        # its loop gives no logprobs: a request that asks for them decodes in the batch, and gets them
+        scored = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                                  "logprobs": 2})[1]
+        assert len(scored["choices"][0]["logprobs"]["tokens"]) == scored["usage"]["completion_tokens"]
     finally:
         running.stop()
 
