@@ -9,7 +9,7 @@ import speculate
 from decode import Sampling
 from generation import load_model
 from helpers import copy_checkpoint
-from test_serve import PROMPTS, Running, alone, library  # noqa: F401 (a fixture)
+from test_serve import PROMPTS, Running, alone, library, tokenizers  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 TOLERANCE = 1e-4
@@ -129,6 +129,24 @@ def test_completion_logprobs_and_echo_scoring(server, reference):
             replies[0].choices[0].logprobs.token_logprobs
 
 
+def test_lm_evals_local_completions_reads_the_loglikelihood(server, library, reference):
+    """lm-eval's `local-completions` request for a loglikelihood (its payload: the context and continuation as one
+    list of ids, echo, logprobs 1, max_tokens 1), read by its own parser: the continuation's summed log-probability
+    and whether it is the greedy one."""
+    completions = pytest.importorskip("lm_eval.models.openai_completions")
+    context = server.scheduler.tokenizer.encode_prompt(PROMPTS[1])
+    greedy = alone(library, context, 3)[0]
+    for continuation in (greedy, [greedy[0], (greedy[1] + 1) % 500, greedy[2]]):
+        payload = {"model": server.name, "prompt": [context + continuation], "temperature": 0, "max_tokens": 1,
+                   "logprobs": 1, "seed": 1234, "echo": True}
+        status, reply = server.post("/v1/completions", payload)
+        assert status == 200
+        [(total, is_greedy)] = completions.LocalCompletionsAPI.parse_logprobs(reply, [context + continuation],
+                                                                              [len(context)])
+        expected = reference(context + continuation)[range(len(context) - 1, len(context) + 2), continuation]
+        assert abs(total - float(expected.sum())) < 3 * TOLERANCE and is_greedy == (continuation == greedy)
+
+
 def test_completion_logprobs_without_echo_and_streamed(server, reference):
     body = dict(model=server.name, prompt=PROMPTS[0], max_tokens=16, temperature=0.9, logprobs=5)
     reply = server.client.completions.create(**body)
@@ -169,6 +187,25 @@ def test_bad_logprobs_are_a_400_naming_the_field(server, path, body, param):
     status, reply = server.post(path, base | body)
     assert status == 400 and reply["error"]["param"] == param and f"`{param}`" in reply["error"]["message"]
     assert server.scheduler.metrics.prompt_tokens == before  # never queued
+
+
+def test_each_tokens_bytes_join_to_the_text(tokenizers):
+    """A record's `bytes` are its token's share of the text, for every kind of tokenizer: prose, accents, CJK and
+    emoji (byte-fallback runs and byte-level pieces holding part of a character); joined, they are the text's
+    UTF-8, and a token holding part of a character shows as its escaped bytes."""
+    import serve
+    from helpers import TEXT
+    for tok in tokenizers:
+        byte_ids, token_bytes, partial = serve.byte_tokens(tok), tok.token_bytes(), 0
+        for line in TEXT[:10] + TEXT[-5:] + ["rare: ☃ 𝄞 ᚠᛇᚻ, Ωμέγα"]:
+            ids = tok.encode(line)
+            records = [serve.token_text(tok, token_bytes, byte_ids, ids[max(i - serve.CONTEXT, 0):i], t)
+                       for i, t in enumerate(ids)]
+            assert b"".join(bytes(raw) for _, raw in records) == tok.decode(ids).encode(), (type(tok).__name__, line)
+            for text, raw in records:
+                assert text == bytes(raw).decode("utf-8", "backslashreplace")
+                partial += "\\x" in text
+        assert partial  # (the texts hold characters split over tokens)
 
 
 # ----------------------------------------------------------------------------- speculation
