@@ -247,14 +247,14 @@ def test_speculator_scores_each_token_with_the_targets_log_softmax(random_target
            "ngram": generation.Speculation(3, None, 2), "auto plain": generation.Speculation("auto"),
            "head auto": generation.Speculation("auto", "auto")}[drafter]
     draft = {"ngram": None, "head auto": None}.get(drafter, near_draft)
-    library = generation.Generator.build(random_target, draft_checkpoint_path=draft, speculation=how,
-                                         draft_head=head if drafter == "head auto" else None)
-    prompt = library.tokenizer.encode_prompt(PROMPTS[1])
+    built = generation.Generator.build(random_target, draft_checkpoint_path=draft, speculation=how,
+                                       draft_head=head if drafter == "head auto" else None)
+    prompt = built.tokenizer.encode_prompt(PROMPTS[1])
     torch.manual_seed(0)
     for _ in range(2 if drafter == "ngram" else 1):  # the n-gram lookup drafts from the run's earlier answer
         got = []
-        tokens, stats = generation.generate(library.target, torch.tensor(prompt), 40, Sampling(temperature),
-                                            library.eos_ids, False, 1, Scored(library.speculator),
+        tokens, stats = generation.generate(built.target, torch.tensor(prompt), 40, Sampling(temperature),
+                                            built.eos_ids, False, 1, Scored(built.speculator),
                                             lambda token, scores: got.append((int(token[0]), scores)))
     assert [t for t, _ in got] == tokens[0] and got[0][1] is None
     check_answer(reference, prompt + tokens[0][:1], tokens[0][1:], [float(s[t]) for t, s in got[1:]])
