@@ -1,15 +1,18 @@
 """Logprobs: the target's own log-probabilities of the tokens it chose (serve.py's `logprobs` / `top_logprobs` /
 `echo`, speculate.Speculator's `logprobs`), equal to log_softmax of one plain full forward of the prompt and answer,
 whether a token came from batched decoding, the prefill, a plain step of the speculative loop or an accepted draft."""
+import collections
+
 import pytest
 import torch
 
 import generation
+import serve
 import speculate
 from decode import Sampling
 from generation import load_model
 from helpers import copy_checkpoint
-from test_serve import PROMPTS, Running, alone, library, tokenizers  # noqa: F401 (fixtures)
+from test_serve import PROMPTS, Running, alone, drive, library, tokenizers  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 TOLERANCE = 1e-4
@@ -99,6 +102,32 @@ def test_chat_stream_chunks_carry_their_tokens_logprobs(server, reference):
     if "\ufffd" not in text:
         eos = server.scheduler.eos
         assert b"".join(bytes(c.bytes) for c, t in zip(streamed, r.tokens) if t not in eos) == text.encode()
+
+
+def test_rows_decoded_together_each_get_their_own_logprobs(random_target, reference):
+    """Requests joining a batch step by step (a prompt scored over several chunks while other rows decode, [n, 1]
+    forwards of several rows, greedy and sampled): each one's records are its own tokens' log-probabilities."""
+    generator = generation.Generator.build(random_target)
+    scheduler = serve.Scheduler(generator, 4, 64, 200)
+    scheduler.chunk, scheduler.widths = 16, [16]
+    events = collections.defaultdict(list)
+
+    def request(prompt, n, temperature, echo=False):
+        ids = generator.tokenizer.encode_prompt(prompt)
+        r = serve.Request(ids, n, Sampling(temperature), logprobs=2, echo=prompt if echo else None)
+        r.push = lambda event: events[id(r)].append(event)
+        return r
+    arrivals = {0: [request(PROMPTS[0], 30, 0)], 1: [request(PROMPTS[4], 6, 0.8, echo=True)],
+                3: [request(PROMPTS[1], 20, 0.8), request(PROMPTS[2], 12, 0)]}
+    drive(scheduler, arrivals)
+    for r in [r for rs in arrivals.values() for r in rs]:
+        records = [e for kind, value in events[id(r)] if kind in ("prompt", "logprobs") for e in value]
+        ids = r.prompt_ids + r.tokens if r.echo is not None else r.tokens
+        assert len(records) == len(ids) and (r.echo is None or records[0]["logprob"] is None)
+        skip = 1 if r.echo is not None else 0
+        check_answer(reference, r.prompt_ids[:1] if skip else r.prompt_ids, ids[skip:],
+                     [e["logprob"] for e in records[skip:]], [[t["logprob"] for t in e["top_logprobs"]]
+                                                             for e in records[skip:]])
 
 
 def test_completion_logprobs_and_echo_scoring(server, reference):
@@ -193,7 +222,6 @@ def test_each_tokens_bytes_join_to_the_text(tokenizers):
     """A record's `bytes` are its token's share of the text, for every kind of tokenizer: prose, accents, CJK and
     emoji (byte-fallback runs and byte-level pieces holding part of a character); joined, they are the text's
     UTF-8, and a token holding part of a character shows as its escaped bytes."""
-    import serve
     from helpers import TEXT
     for tok in tokenizers:
         byte_ids, token_bytes, partial = serve.byte_tokens(tok), tok.token_bytes(), 0
