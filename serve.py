@@ -213,16 +213,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.searchsorted(cdf, below, right=True).clamp_max(probs.shape[-1] - 1))
 
 
-def token_text(tokenizer, token_bytes: list, byte_ids: frozenset, context: list, token: int) -> tuple:
-    """(text, bytes) of `token` after the ids `context` (a few of the last: the streaming text's rule, decode_after).
-    A token that holds part of a UTF-8 character (a byte-fallback <0xNN>, a byte-level piece) has no text of its own:
-    its exact bytes, and as text those bytes with the incomplete ones escaped (as OpenAI shows them)."""
+def token_texts(tokenizer, token_bytes: list, byte_ids: frozenset, context: list):
+    """text_of(token) -> (text, bytes) of a token after the ids `context` (a few of the last: the streaming text's
+    rule, decode_after), for the chosen token and its alternatives. A token that holds part of a UTF-8 character (a
+    byte-fallback <0xNN>, a byte-level piece) has no text of its own: its exact bytes, and as text those bytes with
+    the incomplete ones escaped (as OpenAI shows them)."""
     before = tokenizer.decode(context) if context else ""
-    text = tokenizer.decode(context + [token])[len(before):]
-    raw = token_bytes[token] if token < len(token_bytes) else None
-    if raw is not None and (token in byte_ids or "\ufffd" in text or before.endswith("\ufffd")):
-        return raw.decode("utf-8", "backslashreplace"), list(raw)
-    return text, list(text.encode("utf-8"))
+
+    def text_of(token: int) -> tuple:
+        text = tokenizer.decode(context + [token])[len(before):]
+        raw = token_bytes[token] if token < len(token_bytes) else None
+        if raw is not None and (token in byte_ids or "\ufffd" in text or before.endswith("\ufffd")):
+            return raw.decode("utf-8", "backslashreplace"), list(raw)
+        return text, list(text.encode("utf-8"))
+    return text_of
 
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's value for a token ruled out (JSON has no -Infinity)
@@ -491,7 +495,7 @@ class Scheduler:
         """The logprobs record of r's `token` after the ids `context` (the last CONTEXT: its text's), its logprob
         None where nothing scored it (a prompt's first token), with its text_offset in r's answer (a special token,
         which the answer's text leaves out, takes no room there)."""
-        text_of = functools.partial(token_text, self.tokenizer, self.token_bytes, self.byte_ids, context)
+        text_of = token_texts(self.tokenizer, self.token_bytes, self.byte_ids, context)
         if scores is None:
             entry = dict(zip(("token", "bytes"), text_of(token)), logprob=None, top_logprobs=None)
         else:

@@ -227,7 +227,7 @@ def test_each_tokens_bytes_join_to_the_text(tokenizers):
         byte_ids, token_bytes, partial = serve.byte_tokens(tok), tok.token_bytes(), 0
         for line in TEXT[:10] + TEXT[-5:] + ["rare: ☃ 𝄞 ᚠᛇᚻ, Ωμέγα"]:
             ids = tok.encode(line)
-            records = [serve.token_text(tok, token_bytes, byte_ids, ids[max(i - serve.CONTEXT, 0):i], t)
+            records = [serve.token_texts(tok, token_bytes, byte_ids, ids[max(i - serve.CONTEXT, 0):i])(t)
                        for i, t in enumerate(ids)]
             assert b"".join(bytes(raw) for _, raw in records) == tok.decode(ids).encode(), (type(tok).__name__, line)
             for text, raw in records:
