@@ -18,6 +18,7 @@ ends (its prompt and answer): a newcomer whose prompt starts with some row's ids
 """
 import argparse
 import asyncio
+import codecs
 import collections
 import dataclasses
 import functools
@@ -99,10 +100,22 @@ class Request:
     finished_at: Optional[float] = None
     spec_tokens: int = 0  # tokens made by speculative steps, and the target forwards they took
     spec_forwards: int = 0
+    logprobs: Optional[int] = None  # each token's log-probability and this many alternatives' (None: not asked)
+    echo: Optional[str] = None  # the prompt's text, which the answer repeats before its own (completions' `echo`)
+    offset: int = 0  # where the next token's text starts in the answer's text (logprobs' text_offset)
+    # the tokens' bytes so far as text: a character split over tokens counts once, when whole
+    offset_decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(
+        errors="replace"))
+    prompt_scores: list = field(default_factory=list)  # the prompt's records, where it is scored
 
     def __post_init__(self):
         # each request draws from its own generator, so a seeded one samples the same alone or in any batch
         self.generator = torch.Generator().manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's own tokens are scored (echo with logprobs): every prompt position is computed."""
+        return self.echo is not None and self.logprobs is not None
 
     @property
     def position(self) -> int:
@@ -200,6 +213,39 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     u = torch.rand(1, dtype=torch.double, generator=generator).to(probs.device)
     below = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return int(torch.searchsorted(cdf, below, right=True).clamp_max(probs.shape[-1] - 1))
+
+
+def token_texts(tokenizer, token_bytes: list, byte_ids: frozenset, context: list):
+    """text_of(token) -> (text, bytes) of a token after the ids `context` (a few of the last: the streaming text's
+    rule, decode_after), for the chosen token and its alternatives. A token that holds part of a UTF-8 character (a
+    byte-fallback <0xNN>, a byte-level piece) has no text of its own: its exact bytes, and as text those bytes with
+    the incomplete ones escaped (as OpenAI shows them)."""
+    before = tokenizer.decode(context) if context else ""
+
+    def text_of(token: int) -> tuple:
+        text = tokenizer.decode(context + [token])[len(before):]
+        raw = token_bytes[token] if token < len(token_bytes) else None
+        if raw is not None and (token in byte_ids or "\ufffd" in text or before.endswith("\ufffd")):
+            return raw.decode("utf-8", "backslashreplace"), list(raw)
+        return text, list(text.encode("utf-8"))
+    return text_of
+
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's value for a token ruled out (JSON has no -Infinity)
+
+
+def logprob_entry(scores: torch.Tensor, token: int, top: int, text_of) -> dict:
+    """OpenAI's logprobs record of `token` chosen from a row of the target's logits (or log-probabilities) [V]:
+    {"token", "logprob", "bytes", "top_logprobs": the `top` likeliest tokens'}. The distribution is the target's
+    own at temperature 1 (log_softmax of its logits; of log-probabilities, the same), whatever the request's
+    sampling settings: what a client scoring text needs."""
+    scores = scores.float().log_softmax(-1).nan_to_num(LOGPROB_FLOOR, LOGPROB_FLOOR, LOGPROB_FLOOR).clamp_min(
+        LOGPROB_FLOOR)
+    values, ids = scores.topk(top) if top else (scores[:0], scores[:0].long())
+    out = dict(zip(("token", "bytes"), text_of(token)), logprob=float(scores[token]))
+    out["top_logprobs"] = [dict(zip(("token", "bytes"), text_of(i)), logprob=v)
+                           for i, v in zip(ids.tolist(), values.tolist())]
+    return {key: out[key] for key in ("token", "logprob", "bytes", "top_logprobs")}
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -435,13 +481,17 @@ class Scheduler:
             self.release(r, "error")
         r.push(("error", error))
 
-    def accept(self, r: Request, token: int) -> bool:
-        """A new token of r (the row's own failure ends only r); returns whether r is finished."""
+    def accept(self, r: Request, token: int, scores: Optional[torch.Tensor] = None) -> bool:
+        """A new token of r (the row's own failure ends only r), chosen from the target's logits (or log-probs)
+        `scores` [V] where r asks for logprobs; returns whether r is finished."""
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
             self.metrics.first_token(r.first_token_at - r.submitted)
         self.metrics.produced(1)
         try:
+            if r.logprobs is not None:  # before the token's text: a stream sends both in one chunk
+                context = (r.prompt_ids[-CONTEXT:] + r.tokens[-CONTEXT:])[-CONTEXT:]
+                r.push(("logprobs", [self.score(r, context, token, scores)]))
             finished = add_token(r, token, self.tokenizer, self.eos, self.byte_ids)
         except Exception as e:
             log.exception("a request failed")
@@ -450,6 +500,34 @@ class Scheduler:
         if finished:
             self.release(r, r.finish_reason)
         return finished
+
+    # --- logprobs (docs/serve.md, "Logprobs")
+
+    @functools.cached_property
+    def token_bytes(self) -> list:
+        return self.tokenizer.token_bytes()
+
+    def score(self, r: Request, context: list, token: int, scores: Optional[torch.Tensor]) -> dict:
+        """The logprobs record of r's `token` after the ids `context` (the last CONTEXT: its text's), its logprob
+        None where nothing scored it (a prompt's first token), with its text_offset in r's answer (a special token,
+        which the answer's text leaves out, takes no room there)."""
+        text_of = token_texts(self.tokenizer, self.token_bytes, self.byte_ids, context)
+        if scores is None:
+            entry = dict(zip(("token", "bytes"), text_of(token)), logprob=None, top_logprobs=None)
+        else:
+            entry = logprob_entry(scores, token, r.logprobs, text_of)
+        special = token >= len(self.token_bytes) or self.token_bytes[token] is None
+        entry["text_offset"] = r.offset
+        r.offset += len(r.offset_decoder.decode(b"" if special else bytes(entry["bytes"])))
+        return entry
+
+    def score_prompt(self, r: Request, logits: torch.Tensor, start: int, n: int) -> list:
+        """Records of the prompt tokens that logits [n, V] (positions start .. start + n - 1) predict, and of the
+        prompt's first token (at start 0)."""
+        ids = r.prompt_ids
+        out = [self.score(r, [], ids[0], None)] if start == 0 else []
+        return out + [self.score(r, ids[max(i - CONTEXT, 0):i], ids[i], logits[i - 1 - start])
+                      for i in range(start + 1, min(start + n + 1, len(ids)))]
 
     # --- the prefix cache (docs/serve.md, "Prefix cache")
 
@@ -481,7 +559,8 @@ class Scheduler:
         row of that entry itself when r's prompt extends the whole of it; else a free row with no entry (lowest
         first), else the least recently used (its entry evicted), the prefix copied in. r's prefill starts after
         it."""
-        source, n = self.longest_prefix(r.prompt_ids)
+        # a prompt to score is computed whole: a cached prefix would skip positions whose logits it needs
+        source, n = self.longest_prefix(r.prompt_ids) if not r.scores_prompt else (None, 0)
         if source is not None and self.rows[source] is None and n == len(self.kept[source]):
             row = source
         else:
@@ -499,7 +578,7 @@ class Scheduler:
         """At r's first prefill chunk (r in row 0): a longer prefix of r's prompt than r got when it was placed, if
         another row holds one by now (the request ahead of it, which shares its system prompt, has prefilled since:
         requests that arrive together share it too). Counts r's reuse in the metrics."""
-        source, n = self.longest_prefix(r.prompt_ids, skip=0)
+        source, n = self.longest_prefix(r.prompt_ids, skip=0) if not r.scores_prompt else (None, 0)
         if n > r.prefilled:
             self.copy_cache(source, 0, n)
             self.used[source] = self.tick()
@@ -607,9 +686,24 @@ class Scheduler:
         with sdpa_context():
             logits = self.engine.forward(x.to(self.device), pos, pos, mask)  # [1, chunk, V]; slots = positions
         self.metrics.prefill_steps += 1
+        if r.scores_prompt:
+            r.prompt_scores += self.score_prompt(r, logits[0], r.prefilled, len(piece))
         r.prefilled += len(piece)
         if r.prefilled == len(r.prompt_ids):
-            self.pick([(r, logits[0, len(piece) - 1])])
+            self.prompt_done(r, logits[0, len(piece) - 1])
+
+    def prompt_done(self, r: Request, last: torch.Tensor):
+        """r's prompt is in the cache: its echo goes out (with the prompt's records where asked), then its first
+        token, drawn from `last` (the last prompt position's logits); none for `max_tokens` 0 (scoring alone)."""
+        if r.echo is not None:
+            r.push(("prompt", r.prompt_scores if r.scores_prompt else None))
+            r.offset = len(r.echo)  # the answer's tokens follow the prompt's text
+            r.offset_decoder.reset()
+        if r.max_tokens == 0:
+            r.finish_reason = "length"
+            self.release(r, "length")
+        else:
+            self.pick([(r, last)])
 
     def decode(self):
         """One [n, 1] forward over cache rows 0 .. n-1, where compact() put the decoding rows: each reads its current
@@ -639,13 +733,15 @@ class Scheduler:
                                       kind="server_error"))
                 continue
             token = best if r.sampling.temperature == 0 else draw(logits_to_probs(row, r.sampling), r.generator)
-            self.accept(r, token)
+            self.accept(r, token, row)
 
     def can_speculate(self, r: Request) -> bool:
         """The library's speculative loop serves a lone decoding request: greedy (its output is the same either
         way) or sampled without a seed (a seeded one keeps the per-row draws that make it reproducible)."""
-        return (self.generator.speculator is not None and r.prefilled == len(r.prompt_ids) and not r.cancelled
-                and (r.sampling.temperature == 0 or r.seed is None))
+        speculator = self.generator.speculator
+        return (speculator is not None and r.prefilled == len(r.prompt_ids) and not r.cancelled
+                and (r.sampling.temperature == 0 or r.seed is None)
+                and (r.logprobs is None or getattr(speculator, "gives_logprobs", False)))
 
     @torch.no_grad()
     def speculate(self, r: Request):
@@ -668,7 +764,7 @@ class Scheduler:
                                      counted(self.engine.forward_features))
         first, tokens_before, forwards_before = [True], r.spec_tokens, r.spec_forwards
 
-        def on_token(token):
+        def on_token(token, scores=None):
             watch.check()
             if first[0]:  # the speculator repeats its starting token (already r's): not a new one
                 first[0] = False
@@ -676,7 +772,7 @@ class Scheduler:
             r.spec_tokens += 1  # counted before the token is handed on: the answer's figures go out with it
             r.spec_forwards = forwards_before + forwards[0]
             someone_waits = self.waiting and None in self.rows
-            finished = self.accept(r, int(token.view(-1)[0]))
+            finished = self.accept(r, int(token.view(-1)[0]), scores)
             self.flush()
             if finished or r.cancelled or someone_waits or self.stopping:
                 raise Yield
@@ -691,7 +787,8 @@ class Scheduler:
                                                                  .view(1, -1))[1].clone()
         try:
             self.generator.speculator.generate(engine, [context], current, r.max_tokens - len(r.tokens) + 1,
-                                               r.sampling, sorted(self.eos), True, on_token, **extra)
+                                               r.sampling, sorted(self.eos), True, on_token, **extra,
+                                               **({"logprobs": True} if r.logprobs is not None else {}))
         except Yield:
             pass
         self.metrics.spec_tokens += r.spec_tokens - tokens_before
@@ -763,15 +860,18 @@ UNSUPPORTED = {
     "tools": lambda v: v == [], "functions": lambda v: v == [],
     "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
     "logit_bias": lambda v: v == {}, "top_logprobs": lambda v: v == 0,
-    "best_of": lambda v: v == 1 and not isinstance(v, bool), "echo": lambda v: v is False, "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1 and not isinstance(v, bool), "suffix": lambda v: v == "",
     "modalities": lambda v: v == ["text"], "audio": lambda v: False, "prediction": lambda v: False,
 }
-COMPLETIONS_ONLY = ("best_of", "echo", "suffix")
+COMPLETIONS_ONLY = ("best_of", "suffix")
+CHAT_READS = ("top_logprobs",)  # completions ask for alternatives with `logprobs` N (read_logprobs)
+# the most alternatives per token OpenAI gives: chat's `top_logprobs`, completions' `logprobs`
+MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5
 
 
 def refuse_unsupported(body: dict, chat: bool):
     for name, neutral in UNSUPPORTED.items():
-        if chat and name in COMPLETIONS_ONLY or body.get(name) is None or neutral(body[name]):
+        if chat and name in COMPLETIONS_ONLY + CHAT_READS or body.get(name) is None or neutral(body[name]):
             continue
         raise ApiError(400, f"`{name}` is not supported by this server (got {json.dumps(body[name])[:80]})", name,
                        "unsupported_value")
@@ -783,9 +883,8 @@ def read_settings(body: dict, chat: bool) -> dict:
     field_of(body, "n", (int,), 1, lambda v: v == 1, "1 (one choice per request)")
     for name in ("presence_penalty", "frequency_penalty"):
         field_of(body, name, number, 0, lambda v: v == 0, "0 (penalties are not supported)")
-    if body.get("logprobs") not in (None, False):
-        raise ApiError(400, "`logprobs` is not supported", "logprobs", "unsupported_value")
     refuse_unsupported(body, chat)
+    logprobs, echo = read_logprobs(body, chat)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
@@ -795,7 +894,8 @@ def read_settings(body: dict, chat: bool) -> dict:
     for s in stop or []:
         check_text(s, "stop")
     max_tokens = field_of(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                          (int,), None, lambda v: v >= 1, "an integer >= 1")
+                          (int,), None, lambda v: v >= (0 if echo else 1),
+                          "an integer >= 1 (0 only with `echo`: the prompt scored, nothing generated)")
     options = field_of(body, "stream_options", (dict,), {}, None, "an object")
     if options and body.get("stream") is not True:
         raise ApiError(400, "`stream_options` is only allowed with `stream`: true", "stream_options", "invalid_value")
@@ -811,7 +911,24 @@ def read_settings(body: dict, chat: bool) -> dict:
         "stream": field_of(body, "stream", (bool,), False, None, "true or false"),
         "include_usage": bool(options.get("include_usage")),
         "stop": stop or [],
+        "logprobs": logprobs, "echo": echo,
     }
+
+
+def read_logprobs(body: dict, chat: bool) -> tuple:
+    """(how many alternatives each token's logprobs record lists, None if logprobs are not asked; whether the
+    prompt is echoed) in OpenAI's fields: chat's `logprobs` true and `top_logprobs` N; completions' `logprobs` N
+    and `echo`. Checked before the request is queued."""
+    if chat:
+        wanted = field_of(body, "logprobs", (bool,), False, None, "true or false")
+        top = field_of(body, "top_logprobs", (int,), 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                       f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if top and not wanted:
+            raise ApiError(400, "`top_logprobs` needs `logprobs`: true", "top_logprobs", "invalid_value")
+        return (top if wanted else None), False
+    logprobs = field_of(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_COMPLETION_LOGPROBS,
+                        f"an integer in [0, {MAX_COMPLETION_LOGPROBS}] (alternatives per token)")
+    return logprobs, field_of(body, "echo", (bool,), False, None, "true or false")
 
 
 def read_messages(body: dict) -> list:
@@ -984,11 +1101,12 @@ async def complete(service: Service, request, chat: bool):
     check_model(body, service.model_name)
     settings = read_settings(body, chat)
     scheduler = service.scheduler
-    prompt_ids, param = read_prompt(body, chat, scheduler.tokenizer)
+    prompt_ids, param, prompt_text = read_prompt(body, chat, scheduler.tokenizer)
     max_tokens = fit_context(prompt_ids, settings["max_tokens"], scheduler.context, param)
     events = asyncio.Queue()
     r = Request(prompt_ids, max_tokens, Sampling(settings["temperature"], settings["top_k"], settings["top_p"]),
-                settings["seed"], settings["stop"], functools.partial(mailbox_of(scheduler).post, events))
+                settings["seed"], settings["stop"], functools.partial(mailbox_of(scheduler).post, events),
+                logprobs=settings["logprobs"], echo=prompt_text if settings["echo"] else None)
     scheduler.submit(r)
     watcher = asyncio.create_task(watch_disconnect(request, r, scheduler, events))
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
@@ -1021,21 +1139,28 @@ def check_model(body: dict, model_name: str):
 
 
 def read_prompt(body: dict, chat: bool, tokenizer) -> tuple:
-    """The prompt's token ids (a chat's through the chat template) and the name of the field they came from."""
+    """The prompt's token ids (a chat's through the chat template), the name of the field they came from, and the
+    prompt's text (what `echo` repeats). A completion's prompt is a string or its token ids (as lm-eval sends
+    them), alone or as a list of one."""
     if chat:
         messages = read_messages(body)
         try:
-            return tokenizer.chat_ids(messages), "messages"
+            return tokenizer.chat_ids(messages), "messages", None
         except UserError as e:
             raise ApiError(400, f"`messages`: {e}", "messages", "invalid_value") from None
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(400, "`prompt` is required: a string", "prompt", "missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        if not all(0 <= i < tokenizer.vocab_size for i in prompt):
+            raise ApiError(400, f"`prompt` token ids must be in [0, {tokenizer.vocab_size})", "prompt",
+                           "invalid_value")
+        return list(prompt), "prompt", tokenizer.processor.decode(prompt, skip_special_tokens=True)
     if not isinstance(prompt, str):
-        raise ApiError(400, "`prompt` must be a string", "prompt", "invalid_value")
-    return tokenizer.encode_prompt(check_text(prompt, "prompt")), "prompt"
+        raise ApiError(400, "`prompt` must be a string or a list of token ids", "prompt", "invalid_value")
+    return tokenizer.encode_prompt(check_text(prompt, "prompt")), "prompt", prompt
 
 
 def fit_context(prompt_ids: list, max_tokens: Optional[int], context: int, param: str) -> int:
@@ -1068,11 +1193,15 @@ async def answer_whole(r: Request, events: asyncio.Queue, watcher, scheduler: Sc
     """The whole answer in one response once r is done (499 if the client went away first)."""
     from starlette.responses import JSONResponse
     try:
-        text, finish = "", None
+        text, finish, entries = "", None, []
         while finish is None:
             kind, value = await events.get()
             if kind == "text":
                 text += value
+            elif kind == "logprobs":
+                entries += value
+            elif kind == "prompt":  # the echo: the prompt's text (and records) before the answer's
+                text, entries = r.echo + text, (value or []) + entries
             elif kind == "done":
                 finish = value
             elif kind == "error":
@@ -1082,7 +1211,7 @@ async def answer_whole(r: Request, events: asyncio.Queue, watcher, scheduler: Sc
     finally:
         watcher.cancel()
         scheduler.cancel(r)
-    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs_field(r, entries, chat, whole=True)}
     choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
     return JSONResponse(dict(meta, object="chat.completion" if chat else "text_completion", choices=[choice],
                              usage=usage(r), fastgen=r.stats()))
@@ -1127,6 +1256,22 @@ async def watch_disconnect(request, r: Request, scheduler: Scheduler, events: as
             return
 
 
+def logprobs_field(r: Request, entries: list, chat: bool, whole: bool = False) -> Optional[dict]:
+    """A choice's `logprobs` in OpenAI's shape for the records `entries` (Scheduler.score): chat's {"content":
+    [{"token", "logprob", "bytes", "top_logprobs"}]}; completions' {"tokens", "token_logprobs", "top_logprobs" (a
+    dict per token: its alternatives' and its own), "text_offset"}. None where not asked (or a stream's chunk has
+    no token)."""
+    if r.logprobs is None or not (entries or whole):
+        return None
+    if chat:
+        return {"content": [{key: e[key] for key in ("token", "logprob", "bytes", "top_logprobs")} for e in entries]}
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None else
+                             {t["token"]: t["logprob"] for t in e["top_logprobs"]} | {e["token"]: e["logprob"]}
+                             for e in entries],
+            "text_offset": [e["text_offset"] for e in entries]}
+
+
 def usage(r: Request) -> dict:
     return {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.tokens),
             "total_tokens": len(r.prompt_ids) + len(r.tokens),
@@ -1139,24 +1284,31 @@ async def stream(r: Request, events: asyncio.Queue, watcher, scheduler: Schedule
     and this answer's figures (an extension field, `fastgen`)."""
     kind_name = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: Optional[str], finish: Optional[str] = None, first: bool = False, **extra) -> str:
+    def chunk(text: Optional[str], finish: Optional[str] = None, first: bool = False, entries=(), **extra) -> str:
+        logprobs = logprobs_field(r, list(entries), chat)  # the records of the tokens this chunk's text holds
         if chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         extra = ({"usage": None} if include_usage else {}) | extra  # OpenAI's chunks say so until the last
         return f"data: {json.dumps(dict(meta, object=kind_name, choices=[choice], **extra))}\n\n"
 
     try:
         if chat:
             yield chunk("", first=True)
+        pending = []  # records of tokens whose text has not gone out yet (held back, or none of its own)
         while True:
             kind, value = await events.get()
-            if kind == "text":
-                yield chunk(value)
+            if kind == "logprobs":
+                pending += value
+            elif kind == "prompt":
+                yield chunk(r.echo, entries=value or [])
+            elif kind == "text":
+                yield chunk(value, entries=pending)
+                pending = []
             elif kind == "done":
-                yield chunk(None if chat else "", value, fastgen=r.stats())
+                yield chunk(None if chat else "", value, entries=pending, fastgen=r.stats())
                 if include_usage:
                     yield f"data: {json.dumps(dict(meta, object=kind_name, choices=[], usage=usage(r)))}\n\n"
                 break

@@ -211,14 +211,22 @@ def combine_stats(summaries: list) -> dict:
     return total.summary()
 
 
+def target_logprobs(logits: Tensor) -> Tensor:
+    """log_softmax of the target's logits at temperature 1, before temperature, top-k or top-p: what a client scoring
+    text (log-likelihoods, perplexity) asks of the model, whatever its sampling settings."""
+    return logits.float().log_softmax(-1)
+
+
 def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, active: Optional[list] = None,
-                features: bool = False):
+                features: bool = False, logprobs: bool = False):
     """One target forward over every row's tree (row b's node i at cache slot pos[b] + i, RoPE position
     pos[b] + depth, seeing the row's prefix and its ancestors), then verification of each active row, then
     each accepted path's keys/values moved to the slots right after its root. Trees have one size (Tree.pad_to).
     Returns [(accepted path, the target's next token)] per row; None for an inactive row (a finished one,
     which keeps its place in the batch so the shapes stay fixed, and changes nothing). With `features`, also the
-    target's features of every node [B, n, F] (Engine.forward_features: what a draft head reads)."""
+    target's features of every node [B, n, F] (Engine.forward_features: what a draft head reads). With `logprobs`,
+    each row's result also holds the target's log-probabilities at the tokens it emits ([len(path) + 1, V],
+    target_logprobs)."""
     model = target.model
     device = model.tok_embeddings.weight.device
     n = len(trees[0].tokens)
@@ -243,6 +251,9 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     else:
         probs = logits_to_probs(logits, sampling)  # [B, n, V]
         results = [verify(tree, row) if live else None for tree, row, live in zip(trees, probs, active)]
+    if logprobs:  # the emitted tokens are scored at the root and at each accepted node (each one's next token)
+        results = [result and result + (target_logprobs(logits[b, [0] + result[0]]),)
+                   for b, result in enumerate(results)]
     rows, src, dst = [], [], []
     for b, result in enumerate(results):
         if result is not None:
@@ -521,6 +532,8 @@ class Speculator:
     accept a path per row and compact the caches, repeat. Rows (different prompts) keep their own cache length,
     acceptance and stop. With `auto` (an AutoChoice) each step's depth and tree size, or a plain step, is chosen."""
 
+    gives_logprobs = True  # generate(logprobs=True) scores every token it makes
+
     def __init__(self, drafter: Drafter, auto: Optional[AutoChoice] = None):
         self.drafter = drafter
         self.auto = auto
@@ -534,16 +547,19 @@ class Speculator:
             lookup.forget()
 
     def generate(self, target: Engine, prompts: list, first: Tensor, max_new_tokens: int, sampling: Sampling,
-                 eos_ids: list, stop_at_eos: bool, callback=None, features: Optional[Tensor] = None):
+                 eos_ids: list, stop_at_eos: bool, callback=None, features: Optional[Tensor] = None,
+                 logprobs: bool = False):
         """Tokens after each row's prompt (lists of ids, any lengths; the target's cache holds them, right-padded)
         and `first` ([B], the prefill's tokens); features: the prompts' target features [B, T, F] where the drafter
-        reads them. Returns ([new ids per row], acceptance stats)."""
+        reads them. With `logprobs`, callback(token, scores) also gets the target's log-probabilities [V] where each
+        token was chosen (target_logprobs), whether it came from an accepted draft or a plain step; None for `first`
+        (the caller's prefill scored it). Returns ([new ids per row], acceptance stats)."""
         drafter, batch, auto = self.drafter, len(prompts), self.auto
         assert callback is None or batch == 1, "streaming is for one row"
         stats = Stats(drafter.depth, drafter.tree_nodes)
         rows = Rows(prompts, [[t] for t in first.tolist()], max_new_tokens, set(eos_ids), stop_at_eos)
         if callback:
-            callback(first)
+            callback(first, None) if logprobs else callback(first)
         if any(rows.live):
             stats.draft_forwards += drafter.start(prompts, target.model.max_seq_length, features)
         if auto and any(rows.live) and (batch, 1) not in auto.verify_seconds:
@@ -554,13 +570,14 @@ class Speculator:
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
             if arm is None and all(rows.live):
-                step = self.plain_run(target, rows, sampling, eos_ids, callback, stats, started, first.device)
+                step = self.plain_run(target, rows, sampling, eos_ids, callback, stats, started, first.device,
+                                      logprobs)
             elif arm is None:
-                step = self.one_plain_step(target, rows, sampling, stats, started)
+                step = self.one_plain_step(target, rows, sampling, stats, started, logprobs)
             else:
-                step = self.speculative_step(target, rows, arm, sampling, stats, started, after_plain)
+                step = self.speculative_step(target, rows, arm, sampling, stats, started, after_plain, logprobs)
             after_plain = arm is None
-            rows.extend(step.news, None if step.streamed else callback)
+            rows.extend(step.news, None if step.streamed else callback, step.scores)
             if auto:  # the whole step, its bookkeeping included: what a step of this arm costs
                 synchronize(target.model)
                 auto.observe(arm, step.trees, step.paths, step.drafted - step.started,
@@ -571,14 +588,18 @@ class Speculator:
         return rows.outs, stats.summary()
 
     def plain_run(self, target: Engine, rows: "Rows", sampling: Sampling, eos_ids: list, callback, stats: Stats,
-                  started: float, device) -> "Step":
+                  started: float, device, logprobs: bool = False) -> "Step":
         """Plain steps, as many as the choice takes in a row, through plain decoding's own loop (no host work
         between tokens); the drafter hears of each as of a plain step (a draft model catches up later, a head reads
         the features each step gave)."""
         steps = self.auto.plain_run(min(rows.max_new_tokens - len(out) for out in rows.outs))
         last = torch.tensor([c[-1] for c in rows.contexts], device=device)
-        if self.features:
-            made, hidden = run_plain_steps(target, last, rows.pos, steps, sampling, True)
+        scores, plain = None, not self.features and not logprobs
+        if not plain:  # through the loop that keeps what the drafter or the callback needs of each step
+            made, hidden, scores = run_plain_steps(target, last, rows.pos, steps, sampling, bool(self.features),
+                                                   logprobs)
+            hidden = hidden if self.features else None
+            scores = [list(row) for row in torch.stack(scores, 1)] if logprobs else None  # [B][steps] of [V]
         else:
             made, hidden = decode_n_tokens(target, last, rows.pos, steps, sampling, eos_ids, rows.stop_at_eos,
                                            callback), None
@@ -591,21 +612,21 @@ class Speculator:
                                   None if hidden is None else hidden[i])
         stats.plain_steps += steps
         stats.target_forwards += steps
-        return Step(made, trees, [], steps, started, started,
-                    streamed=callback is not None and not self.features)
+        return Step(made, trees, [], steps, started, started, streamed=plain and callback is not None, scores=scores)
 
-    def one_plain_step(self, target: Engine, rows: "Rows", sampling: Sampling, stats: Stats, started: float) -> "Step":
+    def one_plain_step(self, target: Engine, rows: "Rows", sampling: Sampling, stats: Stats, started: float,
+                       logprobs: bool = False) -> "Step":
         """A plain step: the root alone (an empty accepted path), at plain decoding's cost."""
         trees = [Tree.rooted_at(c[-1]) for c in rows.contexts]
         stats.plain_steps += 1
-        tokens, hidden = plain_step(target, rows.contexts, rows.pos, sampling, bool(self.features))
+        tokens, hidden, scores = plain_step(target, rows.contexts, rows.pos, sampling, bool(self.features), logprobs)
         self.drafter.accepted([[] if row_live else None for row_live in rows.live], trees, rows.pos, hidden)
         stats.target_forwards += 1
         return Step([[token] if row_live else None for token, row_live in zip(tokens, rows.live)], trees, [], 1,
-                    started, started)
+                    started, started, scores=[[row] for row in scores] if logprobs else None)
 
     def speculative_step(self, target: Engine, rows: "Rows", arm: tuple, sampling: Sampling, stats: Stats,
-                         started: float, after_plain: bool) -> "Step":
+                         started: float, after_plain: bool, logprobs: bool = False) -> "Step":
         """Draft a tree per row (`arm`: depth, nodes), verify them all in one target forward, accept a path per row
         and tell the drafter."""
         drafter = self.drafter
@@ -618,7 +639,7 @@ class Speculator:
         if after_plain and caught_up > started:  # reading the plain steps' tokens is the cost of switching,
             started = caught_up                    # not of this arm: not priced in it
         results = verify_step(target, [tree.pad_to(arm[1] + 1) for tree in trees], rows.pos, sampling, rows.live,
-                              bool(self.features))
+                              bool(self.features), logprobs)
         results, hidden = results if self.features else (results, None)
         paths = [result[0] if result else None for result in results]
         drafter.accepted(paths, trees, rows.pos, hidden)
@@ -629,11 +650,12 @@ class Speculator:
             if result is None:
                 news.append(None)
                 continue
-            path, next_token = result
+            path, next_token = result[:2]
             stats.accept_counts[len(path)] += 1
             stats.drafted += arm[0]
             news.append([trees[b].tokens[node] for node in path] + [next_token])
-        return Step(news, trees, paths, 1, started, drafted)
+        scores = [result and list(result[2]) for result in results] if logprobs else None
+        return Step(news, trees, paths, 1, started, drafted, scores=scores)
 
 
 @dataclass
@@ -646,6 +668,7 @@ class Step:
     started: float  # when the step's own work began (perf_counter)
     drafted: float  # when its draft was ready
     streamed: bool = False  # its tokens already went to the callback
+    scores: Optional[list] = None  # with logprobs: each row's target log-probabilities [V] per new token
 
 
 class Rows:
@@ -666,16 +689,17 @@ class Rows:
         return next((i + 1 for i, t in enumerate(new)
                      if len(out) + i + 1 >= self.max_new_tokens or (self.stop_at_eos and t in self.eos)), len(new))
 
-    def extend(self, news: list, callback=None):
-        """Each live row's new tokens kept up to its end (and streamed to `callback`); a row that ends stops."""
+    def extend(self, news: list, callback=None, scores: Optional[list] = None):
+        """Each live row's new tokens kept up to its end (and streamed to `callback`, with each one's scores where
+        given); a row that ends stops."""
         for b, new in enumerate(news):
             if new is None or not self.live[b]:
                 continue
             new = new[:self.taken(self.outs[b], new)]
             self.outs[b] += new
             if callback:
-                for t in new:
-                    callback(torch.tensor([t]))
+                for i, t in enumerate(new):
+                    callback(torch.tensor([t]), scores[b][i]) if scores else callback(torch.tensor([t]))
             if self.finished(self.outs[b]):
                 self.live[b] = False
             else:
@@ -683,29 +707,33 @@ class Rows:
                 self.contexts[b] += new
 
 
-def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False):
+def plain_step(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False,
+               logprobs: bool = False):
     """A plain step of every row inside the loop (run_plain_steps): each row's current token through the target's
-    forward. Returns each row's next token and, with `features`, the target's features at the current token
-    [B, 1, F]. Finished rows step too (the shape stays fixed); their tokens are ignored."""
+    forward. Returns each row's next token, with `features` the target's features at the current token [B, 1, F]
+    and with `logprobs` its log-probabilities [B, V] (else None each). Finished rows step too (the shape stays
+    fixed); their tokens are ignored."""
     device = target.model.tok_embeddings.weight.device
-    tokens, hidden = run_plain_steps(target, torch.tensor([c[-1] for c in contexts], device=device), pos, 1, sampling,
-                                     features)
-    return tokens[0].tolist(), hidden[0] if features else None
+    tokens, hidden, scores = run_plain_steps(target, torch.tensor([c[-1] for c in contexts], device=device), pos, 1,
+                                             sampling, features, logprobs)
+    return tokens[0].tolist(), hidden[0] if features else None, scores[0] if logprobs else None
 
 
-def run_plain_steps(target: Engine, token: Tensor, pos: list, steps: int, sampling: Sampling, features: bool = False):
+def run_plain_steps(target: Engine, token: Tensor, pos: list, steps: int, sampling: Sampling, features: bool = False,
+                    logprobs: bool = False):
     """`steps` plain steps of every row after `token` [B] at positions `pos`, as plain decoding's loop runs them: the
     causal mask made on the device, one draw for the batch, no host work between tokens (per-row tree masks and
     verification made a plain step cost more than plain decoding's), non-finite logits looked for every
     EOS_CHECK_EVERY tokens as plain decoding does. Returns the tokens ([B] per step) and, with `features`, the
-    target's features at each step's input ([B, 1, F] per step), the head's entries for these tokens."""
+    target's features at each step's input ([B, 1, F] per step), the head's entries for these tokens, and with
+    `logprobs` the target's log-probabilities at each step's token ([B, V] per step, target_logprobs)."""
     model = target.model
     device = model.tok_embeddings.weight.device
     batch = token.shape[0]
     x = token.view(batch, 1)
     input_pos = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
     cache_slots = torch.arange(model.max_seq_length, device=device).view(1, 1, 1, -1)
-    tokens, kept, finite = [], [], torch.ones(batch, dtype=torch.bool, device=device)
+    tokens, kept, scores, finite = [], [], [], torch.ones(batch, dtype=torch.bool, device=device)
     with sdpa_context():
         for i in range(steps):
             at = input_pos + i
@@ -716,13 +744,15 @@ def run_plain_steps(target: Engine, token: Tensor, pos: list, steps: int, sampli
                 kept.append(hidden.clone())  # a CUDA graph's replay overwrites its outputs
             else:
                 logits = target.forward(x, at, at, mask)
+            if logprobs:
+                scores.append(target_logprobs(logits[:, -1]))
             token, probs = sample(logits[:, -1], sampling)
             finite &= chosen_is_finite(logits[:, -1] if probs is None else probs, token)
             x = token.view(batch, 1)
             tokens.append(token.clone())
             if ((i + 1) % EOS_CHECK_EVERY == 0 or i + 1 == steps) and not bool(finite.all()):
                 raise non_finite_logits(model, "for a generated token")
-    return tokens, kept
+    return tokens, kept, scores
 
 
 def plain_step_seconds(target: Engine, contexts: list, pos: list, sampling: Sampling, features: bool = False) -> float:

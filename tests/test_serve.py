@@ -241,7 +241,7 @@ def test_nan_or_infinite_logits_fail_only_their_request():
     from types import SimpleNamespace
     failed, accepted = [], []
     stub = SimpleNamespace(fail=lambda r, error: failed.append((r, error.message)),
-                           accept=lambda r, token: accepted.append(r))
+                           accept=lambda r, token, scores=None: accepted.append(r))
     requests = [serve.Request([1], 5, Sampling(temperature=t)) for t in (0, 0, 0.8, 0.8, 0, 0.8)]
     logits = torch.randn(6, 50)
     logits[1, 7], logits[3, 2], logits[4, 3], logits[5, 0] = float("nan"), float("inf"), -float("inf"), float("nan")
@@ -639,7 +639,7 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": -100}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     # JSON escapes of lone surrogates: strings no tokenizer encodes (they were a 500 with a traceback)
     ("/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
@@ -948,6 +948,10 @@ def test_a_lone_request_speculates_with_a_draft_of_another_tokenizer(random_targ
         long_chat_answer(running, library, 48)
         sampled = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0.8})[1]
         assert sampled["usage"]["completion_tokens"] == 20 or sampled["choices"][0]["finish_reason"] == "stop"
+        # its loop gives no logprobs: a request that asks for them decodes in the batch, and gets them
+        scored = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                                  "logprobs": 2})[1]
+        assert len(scored["choices"][0]["logprobs"]["tokens"]) == scored["usage"]["completion_tokens"]
     finally:
         running.stop()
 
