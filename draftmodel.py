@@ -9,8 +9,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from decode import Engine, Sampling, decode_one_token, exponential_like, logits_to_probs, sdpa_context
-from speculate import Lookup, Tree, move_cache_slots, without
+from decode import Engine, Sampling, decode_one_token, exponential_like, logits_to_probs, move_cache_slots, \
+    sdpa_context
+from speculate import Lookup, Tree, without
 
 GREEDY_RANK_TEMPERATURE = 0.3  # sharpens q when ranking tree nodes for greedy decoding
 # tree width: ceil(N / K), at least this; narrower trees pick their N nodes from too few candidates

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from decode import EOS_CHECK_EVERY, Engine, Sampling, chosen_is_finite, decode_n_tokens, logits_to_probs, \
-    move_cache_slots, sample, sample_from, sdpa_context  # noqa: F401 (move_cache_slots: draftmodel's, from here)
+    sample, sample_from, sdpa_context
 from errors import UserError, write_atomically
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted

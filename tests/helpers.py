@@ -113,7 +113,7 @@ class TableModel:
     real model's forward, remembered).
 
     Its "KV cache" holds the (token, position) written at each slot of each row. The mask the loop passes
-    (or the causal default) decides which slots a query sees, and speculate.move_cache_slots compacts them
+    (or the causal default) decides which slots a query sees, and decode.move_cache_slots compacts them
     as it does real keys and values; a query that sees positions other than 0, 1, 2, ... is an error."""
 
     def __init__(self, model: Transformer, depth: int, prompts=(PREFIX, PREFIX2)):

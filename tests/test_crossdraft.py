@@ -419,7 +419,7 @@ def tiny_tokenizers(root: Path):
 class TextModel:
     """Stands in for a Transformer: the logits of each query are a function of the text of the tokens it sees
     (through the mask the loop passes, or the causal default), with a KV cache of (token, position) per slot
-    that speculate.move_cache_slots compacts as it does real keys and values. A query must see positions
+    that decode.move_cache_slots compacts as it does real keys and values. A query must see positions
     0, 1, 2, ... A token's logit is how likely a character model makes its bytes after the text, plus a bias of
     its own; the draft's character model is the target's with noise."""
 

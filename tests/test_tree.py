@@ -11,6 +11,7 @@ import torch
 
 import draftmodel
 import generation
+import decode
 import speculate
 from decode import Engine, Sampling
 from helpers import (DRAWS, PROMPTS, REJECT_BELOW, copy_checkpoint, lossless_pvalues, plain_greedy, run,
@@ -99,7 +100,7 @@ def test_target_cache_after_compaction_equals_fresh_decoding(random_target):
         ids = [root] + [rng.randrange(vocab) for _ in range(11)]
         model(torch.tensor([ids]), torch.tensor([[pos + d for d in depths]]), torch.arange(pos, pos + 12).view(1, -1),
               speculate.tree_mask(parents, pos, model.max_seq_length, "cpu"))
-        speculate.move_cache_slots(model, [pos + i for i in path], list(range(pos + 1, pos + 1 + len(path))))
+        decode.move_cache_slots(model, [pos + i for i in path], list(range(pos + 1, pos + 1 + len(path))))
         sequence += [root] + [ids[i] for i in path]
         pos, root = pos + 1 + len(path), rng.randrange(vocab)
     going_on = [root, rng.randrange(vocab), rng.randrange(vocab)]
