@@ -1,6 +1,8 @@
 """kernels.py: the CPU kernel choice changes how a product is computed, never what it computes: column-major
 weights, oneDNN-packed copies where they measure faster (and never inside frozen whole graphs), state dicts and tied
 weights unchanged."""
+import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,75 @@ def test_stored_layout_keeps_one_copy_of_the_weights_and_the_logits(shape):
     kernels.use_stored_layout(again)
     layout = [(n, t.shape, t.stride()) for n, t in again.named_buffers() if "cache" not in n and "rope" not in n]
     assert layout == [(n, t.shape, t.stride()) for n, t in model.named_buffers() if "cache" not in n and "rope" not in n]
+
+
+def file_mappings(path) -> dict:
+    """{(start, end): resident bytes} of this process's private mappings of the file at `path` (/proc/self/smaps)."""
+    found, current = {}, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                ours = len(fields) == 6 and fields[5] == str(Path(path).resolve()) and fields[1].endswith("p")
+                current = tuple(int(x, 16) for x in fields[0].split("-")) if ours else None
+            elif current is not None and fields[0] == "Rss:":
+                found[current] = int(fields[1]) * 1024
+    return found
+
+
+def resident_and_read(model, path) -> tuple:
+    """(resident bytes of the model's own mapping of the file, bytes of the whole pages its tensors there span)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    storages = [t.untyped_storage() for t in itertools.chain(model.parameters(), model.buffers())]
+    for (start, end), resident in file_mappings(path).items():
+        inside = [s for s in storages if start <= s.data_ptr() < end]
+        if inside:
+            return resident, sum((-(-s.nbytes() // page) + 1) * page for s in inside)
+    return 0, 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
+def test_a_memory_mapped_checkpoints_pages_go_once_its_weights_are_laid_out_anew(random_target, monkeypatch):
+    """After use_stored_layout the file pages of a checkpoint loaded with mmap stay resident only where a tensor of
+    the model still reads them (the embeddings, norms): weights packed or copied into a layout of their own leave
+    none behind (without kernels.release_file_pages they would); and the model computes what it did before."""
+    import generation
+    ids, pos = tokens(12), torch.arange(12).view(1, -1)
+    size = random_target.stat().st_size
+    for release in (False, True):
+        model = generation.load_model(random_target)
+        with torch.no_grad():
+            model.setup_caches(1, MAX_SEQ)
+            full = model(ids, pos)
+            for t in itertools.chain(model.parameters(), model.buffers()):
+                t.sum()  # every page read, as packing them does
+            assert resident_and_read(model, random_target)[0] >= 0.9 * size
+            with monkeypatch.context() as patch:
+                if not release:
+                    patch.setattr(kernels, "release_file_pages", lambda model: None)
+                kernels.use_stored_layout(model)
+            resident, read = resident_and_read(model, random_target)
+            if kernels.native_f32_linear(torch.zeros(2, 2)) or release:
+                assert (resident <= read) == release, (resident, read, size)
+            torch.testing.assert_close(model(ids, pos), full, rtol=1e-5, atol=1e-5)
+
+
+def test_buffers_are_parameters_on_the_same_memory_while_exported_only():
+    """compilation.buffers_as_parameters: inside, the module has no buffers and each is a parameter of the same name
+    on the same memory (AOTInductor copies buffers, not parameters); after, each is a buffer again, persistent or
+    not as before, so the state dict and the stored graph's constant names are unchanged."""
+    import compilation
+    model = tiny_model(**SHAPES["gqa"])
+    kernels.use_stored_layout(model)
+    buffers = {n: (t.data_ptr(), t.shape) for n, t in model.named_buffers()}
+    keys = list(model.state_dict())
+    with compilation.buffers_as_parameters(model):
+        assert not list(model.named_buffers())
+        params = dict(model.named_parameters())
+        assert all(not params[n].requires_grad and (params[n].data_ptr(), params[n].shape) == v
+                   for n, v in buffers.items())
+    assert {n: (t.data_ptr(), t.shape) for n, t in model.named_buffers()} == buffers
+    assert list(model.state_dict()) == keys
 
 
 def test_bf16_weights_keep_their_layout():
