@@ -28,7 +28,7 @@ from decode import EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, chosen_is_fini
     sample, sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, quiet_stderr, read_checkpoint, write_output
-from grammar import Constraint, Grammars
+from grammar import Constraint, Grammars, SchemaError, check_schema
 from model import ModelArgs, Transformer
 from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, Speculator, StoredCosts, auto_arms, \
     combine_stats, format_stats, non_finite_logits, same_vocabulary
@@ -686,6 +686,7 @@ class Settings:
     stats_json: Optional[Path] = None
     stop_at_eos: bool = True
     draft_head: Optional[Path] = None  # a draft head's directory (drafthead.py)
+    json_schema: Optional[Path] = None  # a JSON Schema file every answer follows (grammar.py)
 
     def check(self):
         """Settings that cannot work, refused before anything is loaded."""
@@ -720,10 +721,30 @@ class Settings:
             raise UserError(f"`profile` and `stats_json` name the same file {self.profile}: the stats would overwrite "
                             f"the trace; name two files")
         self.speculation.check(self.draft_checkpoint_path is not None or self.draft_head is not None)
+        if self.json_schema is not None:
+            in_file(self.json_schema, check_schema, read_json_schema(self.json_schema), "$")
 
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision or ("bf16" if self.device.startswith("cuda") else "fp32")]
+
+
+def read_json_schema(path: Path):
+    """The JSON Schema in a file (`json_schema`), or one line saying why it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"`json_schema` {path}: cannot read it ({e}): pass a JSON Schema file") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"`json_schema` {path} is not JSON ({e}): pass a JSON Schema file") from None
+
+
+def in_file(path: Path, function, *args):
+    """function(*args), its SchemaError said as one about the `json_schema` file (its field as a path from `$`)."""
+    try:
+        return function(*args)
+    except SchemaError as e:
+        raise UserError(f"`json_schema` {path}: {e}") from None
 
 
 def check_engine_settings(compile: str, precision: Optional[str], device: str):
@@ -791,6 +812,9 @@ def run(settings: Settings, say=print, questions=None) -> dict:
     model = generator.model
     sampling = Sampling(settings.temperature, settings.top_k, settings.top_p)
     prompt_ids, batches, texts = read_prompts(settings, generator)
+    schema = read_json_schema(settings.json_schema) if settings.json_schema is not None else None
+    if schema is not None:  # compiled once, before the warm-up (a schema the grammar cannot enforce: one line)
+        in_file(settings.json_schema, generator.grammars.json_schema, schema, "$")
     quantization = f" (quantization: {model.quantization['mode']})" if model.quantization else ""
     say(f"Loaded {settings.checkpoint_path} in {load_seconds:.2f} s{quantization}"
         f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
@@ -802,7 +826,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
         t = time.perf_counter()
         with torch.profiler.profile() if profile else contextlib.nullcontext() as prof:
             rows, stats = generator.generate(ids, settings.max_new_tokens, sampling, settings.stop_at_eos,
-                                             settings.batch_size, callback)
+                                             settings.batch_size, callback, schema)
             sync()
         if profile:
             export_trace(prof, Path(settings.profile))
@@ -866,6 +890,8 @@ def run_samples(timed, settings: Settings, generator: Generator, prompt_ids: lis
         synthetic = is_synthetic(settings.prompt) or settings.chat
         say((generator.tokenizer.decode(prompt_ids) if synthetic else settings.prompt) + samples[-1]["text"])
         say(f"\nSample {i + 1}: " + report(samples[-1], generator.model, settings.batch_size))
+        for note in {note for note in stats.get("grammar_notes", ()) if note}:
+            say(f"Note: {note}")
         if generator.speculator is not None:
             say(format_stats(stats))
     return samples, stats

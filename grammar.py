@@ -17,6 +17,7 @@ the bitmask of every kept node, which masks the target's logits at that node. do
 """
 import json
 import re
+import threading
 from typing import Optional
 
 import torch
@@ -129,6 +130,7 @@ class Grammars:
                                            stop_token_ids=list(eos_ids))
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self.compiled = {}  # key -> CompiledGrammar, least recently used first
+        self.lock = threading.Lock()
 
     def json_schema(self, schema=None, where: str = "json_schema"):
         """The grammar of JSON values valid under `schema` (a dict or its JSON text), in one line with ", " and ": "
@@ -162,16 +164,19 @@ class Grammars:
         return self.cached(("tools", key), build, "tools")
 
     def cached(self, key, build, where: str):
-        compiled = self.compiled.pop(key, None)
+        """The grammar compiled for `key`, built (outside the lock: the server compiles in several threads) if new."""
+        with self.lock:
+            compiled = self.compiled.pop(key, None)
         if compiled is None:
             try:
                 compiled = build()
             except (RuntimeError, ValueError) as e:  # xgrammar's word on a schema it cannot convert
                 message = re.sub(r"^\[[^\]]*\] \S+: ", "", str(e).strip().splitlines()[0])
                 raise SchemaError(f"`{where}`: the schema cannot be compiled: {message}", where) from None
-        self.compiled[key] = compiled
-        while len(self.compiled) > self.CACHED:
-            self.compiled.pop(next(iter(self.compiled)))
+        with self.lock:
+            self.compiled[key] = compiled
+            while len(self.compiled) > self.CACHED:
+                self.compiled.pop(next(iter(self.compiled)))
         return compiled
 
 
