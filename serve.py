@@ -333,7 +333,8 @@ class Scheduler:
 
     @property
     def grammars(self):
-        """The generator's grammar.Grammars (made at warm-up); a 400 where xgrammar is not installed."""
+        """The generator's grammar.Grammars, made by the first request that needs one (off the event loop: it imports
+        xgrammar and reads the vocabulary); a 400 where xgrammar is not installed."""
         try:
             return self.generator.grammars
         except ImportError:
@@ -738,10 +739,6 @@ class Scheduler:
         so that compilation happens before /health says ready. The prefix cache is off meanwhile (each prompt
         must fill its width) and empty after."""
         enabled, self.prefix_cache = self.prefix_cache, False
-        try:  # the vocabulary as the grammar compiler sees it, made once before requests share it
-            self.generator.grammars
-        except ImportError:
-            log.warning("xgrammar is not installed: requests with response_format or tools will be refused")
         try:
             self.run_warm_up()
         finally:
