@@ -231,7 +231,7 @@ class Constraint:
         grammar allows, in order, are then draws without replacement from q restricted to the allowed tokens and
         renormalised (q_A). Keeping those, with q_A as their proposal, is a draft of a drafter that proposes q_A, and
         verify() is exact for any drafter. A node's subtree was drafted after its token: it goes with it."""
-        kids, keep, masks = tree.children(), [], {}
+        kids, keep, masks, note = tree.children(), [], {}, self.note
 
         def visit(node):
             masks[node] = self.allowed()[0].clone()
@@ -243,7 +243,7 @@ class Constraint:
                     visit(child)
                     self.matcher.rollback(1)
         visit(0)
-        self.note = None  # a node's dead end is verification's business (its mask allows nothing to sample there)
+        self.note = note  # a node's dead end is verification's business (its mask allows nothing to sample there)
         pruned = tree.subtree(keep)
         for new, old in enumerate([0] + keep):
             q = pruned.proposals[new]

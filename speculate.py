@@ -274,13 +274,13 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     return (results, hidden.clone()) if features else results  # clone: a CUDA graph's replay overwrites its outputs
 
 
-def constrain(trees: list, constraints: Optional[list]) -> tuple:
-    """Each row's tree without the drafted nodes its grammar forbids, and the bitmask that masks the target's logits
-    at each kept node (grammar.Constraint.prune: verification stays exact); a row without a constraint (None) as it
-    is. Returns (trees, masks or None)."""
+def constrain(trees: list, constraints: Optional[list], live: list) -> tuple:
+    """Each live row's tree without the drafted nodes its grammar forbids, and the bitmask that masks the target's
+    logits at each kept node (grammar.Constraint.prune: verification stays exact); a row without a constraint (None)
+    or not live as it is. Returns (trees, masks or None)."""
     if constraints is None:
         return trees, None
-    pruned = [c.prune(tree) if c is not None else (tree, None) for tree, c in zip(trees, constraints)]
+    pruned = [c.prune(tree) if c is not None and on else (tree, None) for tree, c, on in zip(trees, constraints, live)]
     return [tree for tree, _ in pruned], [bitmask for _, bitmask in pruned]
 
 
@@ -641,7 +641,7 @@ class Speculator:
     def masked_plain_step(self, target: Engine, rows: "Rows", trees: list, sampling: Sampling, stats: Stats,
                           started: float) -> "Step":
         """A plain step of constrained rows: each root's logits masked by its grammar (verification of a lone root)."""
-        trees, masks = constrain(trees, rows.constraints)
+        trees, masks = constrain(trees, rows.constraints, rows.live)
         results = verify_step(target, trees, rows.pos, sampling, rows.live, bool(self.features), masks)
         results, hidden = results if self.features else (results, None)
         self.drafter.accepted([[] if result else None for result in results], trees, rows.pos, hidden)
@@ -657,8 +657,9 @@ class Speculator:
                                         **({"nodes": arm[1]} if self.auto else {}))
         if self.auto:  # the draft's own seconds (on CUDA, a sync; otherwise draft and verification queue)
             synchronize(target.model)
-        trees, masks = constrain(trees, rows.constraints)  # drafts a row's grammar forbids cut (before the timing:
-        drafted = time.perf_counter()                      # a cost of the draft)
+        # drafts a row's grammar forbids cut (before the timing: a cost of the draft)
+        trees, masks = constrain(trees, rows.constraints, rows.live)
+        drafted = time.perf_counter()
         caught_up = getattr(drafter, "caught_up", 0.0)
         if after_plain and caught_up > started:  # reading the plain steps' tokens is the cost of switching,
             started = caught_up                    # not of this arm: not priced in it
