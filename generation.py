@@ -976,6 +976,8 @@ def summarize(settings: Settings, generator: Generator, prompt_ids, samples, sta
     }
     if generator.speculator is not None:
         result.update(stats)
+    if any(stats.get("grammar_notes") or ()):  # --json_schema: rows its grammar ended at a dead end
+        result["grammar_notes"] = stats["grammar_notes"]
     if settings.device.startswith("cuda"):
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     else:

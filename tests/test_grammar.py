@@ -283,6 +283,29 @@ def test_generate_json_schema_equals_the_servers_greedy_answer(server, target, t
         cli.main(["--checkpoint_path", str(target), "--json_schema", str(bad)])
 
 
+def test_the_library_constrains_batches_and_speculation_alike(target, library):
+    """Prompts of different lengths in one batch, and with n-gram speculation (trees; the server's test speculates
+    in chains): each greedy answer is the library's plain constrained answer for its prompt alone."""
+    schema = SCHEMAS["nested"]
+    prompts = [library.encode(p) for p in ("Hello, my name is", "def main(", "usage: prog [-h] " * 3)]
+    alone = [library.generate(ids, 120, Sampling(temperature=0), json_schema=schema)[0][0] for ids in prompts]
+    assert library.generate(prompts, 120, Sampling(temperature=0), json_schema=schema)[0] == alone
+    speculating = generation.Generator.build(target, speculation=generation.Speculation(4, 8, 3))
+    rows, stats = speculating.generate(prompts, 120, Sampling(temperature=0), json_schema=schema)
+    assert rows == alone and stats["target_forwards"] <= max(map(len, alone)) + 1
+    for row in rows:
+        jsonschema.validate(json.loads(library.tokenizer.decode(row[:-1])), schema)
+
+
+def test_a_schema_file_that_cannot_be_read_is_one_line(target, tmp_path):
+    for name, text, why in (("missing.json", None, "cannot read it"), ("bad.json", "{nope", "is not JSON")):
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(UserError, match=f"--json_schema {path}.* {why}"):
+            cli.main(["--checkpoint_path", str(target), "--json_schema", str(path)])
+
+
 # ----------------------------------------------------------------------------- exactness: chi-square
 
 class TinyVocabulary:
