@@ -38,6 +38,7 @@ TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 FORMATS = {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
            "uuid"}
 SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
+VALUES = ("enum", "const", "default", "examples")  # keywords whose values are JSON values, not schemas
 
 
 class SchemaError(UserError):
@@ -105,7 +106,7 @@ def length_patterns(schema):
         return [length_patterns(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: length_patterns(value) for key, value in schema.items()}
+    out = {key: value if key in VALUES else length_patterns(value) for key, value in schema.items()}
     low, high = schema.get("minLength"), schema.get("maxLength")
     if "pattern" not in schema and any(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
         low = low if isinstance(low, int) else 0

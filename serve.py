@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from compilation import COMPILE_MODES  # noqa: E402
 from decode import PRECISIONS, Sampling, chosen_is_finite, logits_to_probs, sdpa_context  # noqa: E402
 from generation import FiniteWatch, Generator, Speculation  # noqa: E402
+from speculate import Speculator  # noqa: E402
 from grammar import Constraint, SchemaError, check_schema  # noqa: E402
 
 log = logging.getLogger("serve")
@@ -677,7 +678,7 @@ class Scheduler:
         speculator = self.generator.speculator
         return (speculator is not None and r.prefilled == len(r.prompt_ids) and not r.cancelled
                 and (r.sampling.temperature == 0 or r.seed is None)
-                and (r.constraint is None or hasattr(speculator, "drafter")))  # a draft of another tokenizer: free text
+                and (r.constraint is None or isinstance(speculator, Speculator)))  # not a draft of another tokenizer
 
     @torch.no_grad()
     def speculate(self, r: Request):
@@ -807,7 +808,7 @@ CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 def refuse_unsupported(body: dict, chat: bool):
     for name in CHAT_ONLY:
-        if not chat and body.get(name) is not None:
+        if not chat and body.get(name) not in (None, [], "none", False):
             raise ApiError(400, f"`{name}` is for /v1/chat/completions", name, "unsupported_value")
     for name, neutral in UNSUPPORTED.items():
         if chat and name in COMPLETIONS_ONLY or body.get(name) is None or neutral(body[name]):
