@@ -274,6 +274,18 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     return (results, hidden.clone()) if features else results  # clone: a CUDA graph's replay overwrites its outputs
 
 
+class RowConstraint(Protocol):
+    """What the loop asks of a row's grammar (grammar.Constraint): it has taken the row's tokens so far."""
+    ended: bool  # the grammar is done, or allows no token (the row ends)
+
+    def prune(self, tree: Tree) -> tuple:
+        """(the tree without the drafts it forbids, proposals renormalised; [kept nodes, words] int32 bitmask of the
+        tokens allowed after each kept node's path)."""
+
+    def accept(self, token: int) -> bool:
+        """Take the row's next token; False at a dead end (no token was allowed: the row ends without it)."""
+
+
 def constrain(trees: list, constraints: Optional[list], live: list) -> tuple:
     """Each live row's tree without the drafted nodes its grammar forbids, and the bitmask that masks the target's
     logits at each kept node (grammar.Constraint.prune: verification stays exact); a row without a constraint (None)
