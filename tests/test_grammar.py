@@ -281,6 +281,31 @@ def test_generate_json_schema_equals_the_servers_greedy_answer(server, target, t
         cli.main(["--checkpoint_path", str(target), "--json_schema", str(bad)])
 
 
+def test_the_servers_draw_masks_before_top_k(server, monkeypatch):
+    """A constrained row's token (Scheduler.pick) is drawn from its logits masked by the grammar, then warped: with
+    top-k, the k most likely allowed tokens, not the allowed ones among the k most likely of all (a chi-square test
+    against both; the tokens the grammar forbids hold the largest logits)."""
+    import serve
+    scheduler, vocab = server.scheduler, server.scheduler.model.args.vocab_size
+    constraint = grammar.Constraint(scheduler.grammars.json_schema({"type": "integer", "minimum": 0}), vocab)
+    allowed = grammar.unpack(constraint.allowed()[0], vocab)
+    assert int(allowed.sum()) >= 10  # digits and runs of them
+    logits = torch.rand(vocab, generator=torch.Generator().manual_seed(0)) + allowed  # allowed ones in [1, 2)
+    logits[(~allowed).nonzero()[:3, 0]] = 3.0  # three forbidden tokens above every allowed one
+    sampling = Sampling(1.0, top_k=6)
+    drawn = []
+    monkeypatch.setattr(scheduler, "accept", lambda r, token: drawn.append(token))
+    r = serve.Request([1], 8, sampling, seed=0, constraint=constraint)
+    for _ in range(3000):
+        scheduler.pick([(r, logits)])
+        constraint.matcher.rollback(1)
+    counts = torch.bincount(torch.tensor(drawn), minlength=vocab)
+    right = logits_to_probs(logits.masked_fill(~allowed, -float("inf")), sampling).double()
+    wrong = logits_to_probs(logits, sampling).double() * allowed
+    assert chi_square_pvalue(counts, right) > REJECT_BELOW
+    assert chi_square_pvalue(counts, wrong / wrong.sum()) < REJECT_BELOW
+
+
 def test_the_library_constrains_batches_and_speculation_alike(target, library):
     """Prompts of different lengths in one batch, and with n-gram speculation (trees; the server's test speculates
     in chains): each greedy answer is the library's plain constrained answer for its prompt alone."""
