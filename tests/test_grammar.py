@@ -239,11 +239,11 @@ BAD = [  # (body fields, the field named)
 
 @pytest.mark.parametrize("fields, param", BAD, ids=[param for _, param in BAD])
 def test_bad_schemas_and_tools_are_a_400_naming_the_field(server, fields, param):
-    before = server.metric("fastgen_prompt_tokens_total")
+    before = server.scheduler.metrics.prompt_tokens
     status, reply = server.post("/v1/chat/completions", {"messages": MESSAGES, **fields})
     assert status == 400 and reply["error"]["param"] == param, reply
     assert param.split("[")[0].split(".")[0] in reply["error"]["message"]
-    assert server.metric("fastgen_prompt_tokens_total") == before  # refused before it was queued
+    assert server.scheduler.metrics.prompt_tokens == before  # refused before it was queued
 
 
 DEAD_END = {"type": "string", "pattern": "^a[^\\s\\S]$"}  # after "a", no character can follow
