@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "one graph compiled in this process; CUDA graphs on GPU); --compile_prefill [MODE] also "
                         "compiles a dynamic-shape prefill")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
+    p.add_argument("--json_schema", type=Path, default=None, metavar="FILE",
+                   help="a JSON Schema file: every answer is JSON valid under it (grammar-constrained decoding)")
     p.set_defaults(compile_prefill=False)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None,
@@ -102,7 +104,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     args.max_new_tokens, args.batch_size, prompts_file, args.temperature, args.top_k,
                     args.top_p, args.seed, Speculation(depth, nodes, args.draft_ngram), args.compile,
                     args.compile_prefill, args.device, args.precision, args.profile, args.stats_json,
-                    stop_at_eos=not args.ignore_eos, draft_head=args.draft_head)
+                    stop_at_eos=not args.ignore_eos, draft_head=args.draft_head, json_schema=args.json_schema)
 
 
 # the settings' names as the flags that set them, for error messages

@@ -24,10 +24,11 @@ import torch
 
 import artifacts
 from compilation import COMPILE_MODES, compile_head, model_key_fields
-from decode import EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, compile_engine, decode_n_tokens, sample, \
-    sdpa_context
+from decode import EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, chosen_is_finite, compile_engine, decode_n_tokens, \
+    sample, sdpa_context
 from draftmodel import ModelDrafter
 from errors import UserError, check_output_file, load_weights, quiet_stderr, read_checkpoint, write_output
+from grammar import Constraint, Grammars, SchemaError, check_schema
 from model import ModelArgs, Transformer
 from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, Speculator, StoredCosts, auto_arms, \
     combine_stats, format_stats, non_finite_logits, same_vocabulary
@@ -440,25 +441,37 @@ class Generator:
     def encode(self, prompt: str, chat: bool = False, seed: int = 0) -> list:
         return encode_prompt(prompt, self.tokenizer, self.model.args.vocab_size, seed, chat)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """This tokenizer's grammar compiler and compiled grammars (grammar.py), made at first use."""
+        return Grammars(self.tokenizer, self.model.args.vocab_size, self.eos_ids)
+
     def generate(self, prompt, max_new_tokens: int, sampling: Sampling, stop_at_eos: bool = True,
-                 batch_size: int = 1, callback=None):
+                 batch_size: int = 1, callback=None, json_schema=None):
         """generate() with this generator's engine, speculator and end-of-sequence tokens. prompt: ids (a list of
-        ints, copied on batch_size rows), or a list of prompts (lists of ids), one row each."""
+        ints, copied on batch_size rows), or a list of prompts (lists of ids), one row each. json_schema (a dict or
+        its JSON text): every row's answer is a JSON value valid under it, ended by the grammar (grammar.py)."""
         if prompt and isinstance(prompt[0], int):
             prompt = torch.tensor(prompt, device=self.device, dtype=torch.long)
+        constraints = None
+        if json_schema is not None:
+            compiled = self.grammars.json_schema(json_schema)
+            rows = len(prompt) if isinstance(prompt, list) else batch_size
+            constraints = [Constraint(compiled, self.model.args.vocab_size) for _ in range(rows)]
         return generate(self.target, prompt, max_new_tokens, sampling, self.eos_ids, stop_at_eos, batch_size,
-                        self.speculator, callback)
+                        self.speculator, callback, constraints)
 
 
 # ----------------------------------------------------------------------------- one generation
 
 @torch.no_grad()  # also lets inductor freeze the weights into the compiled graphs (decode.compile_engine)
 def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eos_ids: list,
-             stop_at_eos: bool = True, batch_size: int = 1, speculator=None, callback=None):
+             stop_at_eos: bool = True, batch_size: int = 1, speculator=None, callback=None, constraints=None):
     """Generate up to max_new_tokens after `prompt`: 1-D ids (repeated on batch_size rows), or a list of
     prompts (lists of ids, of any lengths), one row each. Returns (new ids, one list per row; stats).
     With a speculator every step drafts a token tree and the target verifies it in one forward; without one,
-    tokens come one per target forward."""
+    tokens come one per target forward. constraints: a grammar.Constraint per row, which masks the row's logits at
+    every token and ends it where the grammar ends (generate_constrained)."""
     model = target.model
     device = model.tok_embeddings.weight.device
     prompts = [list(p) for p in prompt] if isinstance(prompt, list) else [prompt.tolist()] * batch_size
@@ -478,6 +491,9 @@ def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eo
             first, finite = target.prefill(model, x, input_pos, sampling, lengths - 1)
     if not bool(finite):  # one look at the host per generation: NaN weights would otherwise decode token 0 forever
         raise non_finite_logits(model, "for the prompt")
+    if constraints is not None:
+        return generate_constrained(target, prompts, max_new_tokens, sampling, eos_ids, stop_at_eos, speculator,
+                                    callback, constraints, features)
     first = first.clone()
     watch = FiniteWatch(target.decode_one_token, model)
     target = replace(target, decode_one_token=watch)
@@ -497,6 +513,61 @@ def generate(target: Engine, prompt, max_new_tokens: int, sampling: Sampling, eo
     if stop_at_eos:
         rows = [truncate_at_eos(row, eos) for row in rows]
     return rows, {"target_forwards": len(rest) + 1}
+
+
+def generate_constrained(target: Engine, prompts: list, max_new_tokens: int, sampling: Sampling, eos_ids: list,
+                         stop_at_eos: bool, speculator, callback, constraints: list, features=None):
+    """generate() with a grammar per row, after the prefill (whose own token is not used: it was drawn unmasked).
+    The first token comes from a step over each prompt's last token at its own slot (it rewrites the keys and
+    values the prefill wrote there), masked; then the speculator (drafts the grammar forbids cut, every verified
+    node masked), or one masked token per target forward. A draft of another tokenizer does not speculate here."""
+    pos = [len(p) - 1 for p in prompts]
+    first = constrained_step(target, [p[-1] for p in prompts], pos, sampling, constraints)
+    if isinstance(speculator, Speculator) and None not in first:
+        device = target.model.tok_embeddings.weight.device
+        extra = {"features": features} if features is not None else {}
+        rows, stats = speculator.generate(target, prompts, torch.tensor(first, device=device), max_new_tokens,
+                                          sampling, eos_ids, stop_at_eos, callback, constraints=constraints, **extra)
+        return rows, dict(stats, grammar_notes=[c.note for c in constraints])
+    eos, outs, forwards = set(eos_ids), [[] for _ in prompts], 1
+    done = [False] * len(prompts)
+    tokens = first
+    while True:
+        for b, token in enumerate(tokens):
+            if done[b]:
+                continue
+            if token is not None:
+                outs[b].append(token)
+                if callback and b == 0:
+                    callback(torch.tensor([token]))
+            out = outs[b]
+            done[b] = token is None or constraints[b].ended or len(out) >= max_new_tokens or \
+                (stop_at_eos and out[-1] in eos)
+        if all(done):
+            break
+        tokens = constrained_step(target, [out[-1] if out else p[-1] for out, p in zip(outs, prompts)],
+                                  [len(p) + len(out) - 1 for p, out in zip(prompts, outs)], sampling,
+                                  [None if d else c for d, c in zip(done, constraints)])
+        forwards += 1
+    return outs, {"target_forwards": forwards + 1, "grammar_notes": [c.note for c in constraints]}
+
+
+def constrained_step(target: Engine, tokens: list, pos: list, sampling: Sampling, constraints: list) -> list:
+    """One [B, 1] forward of each row's token at its slot (causal, as plain decoding), each row's logits masked by
+    its grammar, one draw for the batch; each row's token, taken by its grammar; None for a row without a
+    constraint (not stepped: it feeds its token at its own slot again) or at a dead end."""
+    model = target.model
+    device = model.tok_embeddings.weight.device
+    x = torch.tensor(tokens, device=device).view(-1, 1)
+    at = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
+    mask = torch.arange(model.max_seq_length, device=device).view(1, 1, 1, -1) <= at.view(-1, 1, 1, 1)
+    with sdpa_context():
+        logits = target.forward(x, at, at, mask)[:, -1].float()  # [B, V]
+    live = [c is not None and c.mask(row) for c, row in zip(constraints, logits)]
+    token, probs = sample(logits, sampling)
+    if not bool(chosen_is_finite(logits if probs is None else probs, token)[torch.tensor(live)].all()):
+        raise non_finite_logits(model, "for a generated token")
+    return [t if ok and c.accept(t) else None for t, ok, c in zip(token.tolist(), live, constraints)]
 
 
 class FiniteWatch:
@@ -615,6 +686,7 @@ class Settings:
     stats_json: Optional[Path] = None
     stop_at_eos: bool = True
     draft_head: Optional[Path] = None  # a draft head's directory (drafthead.py)
+    json_schema: Optional[Path] = None  # a JSON Schema file every answer follows (grammar.py)
 
     def check(self):
         """Settings that cannot work, refused before anything is loaded."""
@@ -649,10 +721,30 @@ class Settings:
             raise UserError(f"`profile` and `stats_json` name the same file {self.profile}: the stats would overwrite "
                             f"the trace; name two files")
         self.speculation.check(self.draft_checkpoint_path is not None or self.draft_head is not None)
+        if self.json_schema is not None:
+            in_file(self.json_schema, check_schema, read_json_schema(self.json_schema), "$")
 
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision or ("bf16" if self.device.startswith("cuda") else "fp32")]
+
+
+def read_json_schema(path: Path):
+    """The JSON Schema in a file (`json_schema`), or one line saying why it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"`json_schema` {path}: cannot read it ({e}): pass a JSON Schema file") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"`json_schema` {path} is not JSON ({e}): pass a JSON Schema file") from None
+
+
+def in_file(path: Path, function, *args):
+    """function(*args), its SchemaError said as one about the `json_schema` file (its field as a path from `$`)."""
+    try:
+        return function(*args)
+    except SchemaError as e:
+        raise UserError(f"`json_schema` {path}: {e}") from None
 
 
 def check_engine_settings(compile: str, precision: Optional[str], device: str):
@@ -720,6 +812,9 @@ def run(settings: Settings, say=print, questions=None) -> dict:
     model = generator.model
     sampling = Sampling(settings.temperature, settings.top_k, settings.top_p)
     prompt_ids, batches, texts = read_prompts(settings, generator)
+    schema = read_json_schema(settings.json_schema) if settings.json_schema is not None else None
+    if schema is not None:  # compiled once, before the warm-up (a schema the grammar cannot enforce: one line)
+        in_file(settings.json_schema, generator.grammars.json_schema, schema, "$")
     quantization = f" (quantization: {model.quantization['mode']})" if model.quantization else ""
     say(f"Loaded {settings.checkpoint_path} in {load_seconds:.2f} s{quantization}"
         f"{f' (tensor parallel over {world_size} ranks)' if world_size > 1 else ''}")
@@ -731,7 +826,7 @@ def run(settings: Settings, say=print, questions=None) -> dict:
         t = time.perf_counter()
         with torch.profiler.profile() if profile else contextlib.nullcontext() as prof:
             rows, stats = generator.generate(ids, settings.max_new_tokens, sampling, settings.stop_at_eos,
-                                             settings.batch_size, callback)
+                                             settings.batch_size, callback, schema)
             sync()
         if profile:
             export_trace(prof, Path(settings.profile))
@@ -795,6 +890,8 @@ def run_samples(timed, settings: Settings, generator: Generator, prompt_ids: lis
         synthetic = is_synthetic(settings.prompt) or settings.chat
         say((generator.tokenizer.decode(prompt_ids) if synthetic else settings.prompt) + samples[-1]["text"])
         say(f"\nSample {i + 1}: " + report(samples[-1], generator.model, settings.batch_size))
+        for note in {note for note in stats.get("grammar_notes", ()) if note}:
+            say(f"Note: {note}")
         if generator.speculator is not None:
             say(format_stats(stats))
     return samples, stats
@@ -879,6 +976,8 @@ def summarize(settings: Settings, generator: Generator, prompt_ids, samples, sta
     }
     if generator.speculator is not None:
         result.update(stats)
+    if any(stats.get("grammar_notes") or ()):  # --json_schema: rows its grammar ended at a dead end
+        result["grammar_notes"] = stats["grammar_notes"]
     if settings.device.startswith("cuda"):
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     else:

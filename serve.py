@@ -45,6 +45,8 @@ import torch  # noqa: E402
 from compilation import COMPILE_MODES  # noqa: E402
 from decode import PRECISIONS, Sampling, chosen_is_finite, logits_to_probs, sdpa_context  # noqa: E402
 from generation import FiniteWatch, Generator, Speculation, setup_distributed  # noqa: E402
+from speculate import Speculator  # noqa: E402
+from grammar import Constraint, SchemaError, check_schema  # noqa: E402
 from tp import RanksFailed  # noqa: E402
 
 log = logging.getLogger("serve")
@@ -107,6 +109,9 @@ class Request:
     offset_decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(
         errors="replace"))
     prompt_scores: list = field(default_factory=list)  # the prompt's records, where it is scored
+    constraint: Optional[Constraint] = None  # the grammar its answer follows (response_format, tools)
+    note: Optional[str] = None  # why the answer ended early (a grammar's dead end), in `fastgen`
+    calls: bool = False  # the answer may be a tool call, parsed back into message.tool_calls
 
     def __post_init__(self):
         # each request draws from its own generator, so a seeded one samples the same alone or in any batch
@@ -131,6 +136,8 @@ class Request:
                "tokens_per_second": round((len(self.tokens) - 1) / decode_seconds, 2) if decode_seconds > 0 else None}
         if self.spec_forwards:
             out["tokens_per_target_forward"] = round(self.spec_tokens / self.spec_forwards, 3)
+        if self.note:
+            out["note"] = self.note
         return out
 
 
@@ -374,6 +381,16 @@ class Scheduler:
         self.metrics = Metrics(max_batch_size)
         self.mailboxes = []  # where requests' events wait for flush() (Mailbox)
         self.thread = threading.Thread(target=self.loop, name="scheduler", daemon=True)
+
+    @property
+    def grammars(self):
+        """The generator's grammar.Grammars, made by the first request that needs one (off the event loop: it imports
+        xgrammar and reads the vocabulary); a 400 where xgrammar is not installed."""
+        try:
+            return self.generator.grammars
+        except ImportError:
+            raise ApiError(400, "structured output needs the xgrammar package on the server: pip install xgrammar",
+                           "response_format", "unsupported_value") from None
 
     # --- called from the HTTP side
 
@@ -722,18 +739,36 @@ class Scheduler:
         self.pick([(r, logits[r.slot, 0]) for r in live])
 
     def pick(self, rows: list):
-        """(request, its logits [V]) -> each request's next token: argmax, or drawn from its own generator."""
+        """(request, its logits [V]) -> each request's next token: argmax, or drawn from its own generator; a
+        request with a grammar draws from its logits masked by it (grammar.py), and ends where it allows nothing."""
         if not rows:
             return
         logits = torch.stack([row for _, row in rows]).float()  # [n, V]
+        dead = [r.constraint is not None and not r.constraint.mask(row) for (r, _), row in zip(rows, logits)]
         argmax = logits.argmax(-1)
-        for (r, _), row, best, ok in zip(rows, logits, argmax.tolist(), chosen_is_finite(logits, argmax).tolist()):
+        for (r, raw), row, best, ok, stuck in zip(rows, logits, argmax.tolist(),
+                                                  chosen_is_finite(logits, argmax).tolist(), dead):
+            if stuck:
+                self.end_early(r, r.constraint.note)
+                continue
             if not ok:
                 self.fail(r, ApiError(500, "the model's logits are NaN or infinite: its weights are broken",
                                       kind="server_error"))
                 continue
             token = best if r.sampling.temperature == 0 else draw(logits_to_probs(row, r.sampling), r.generator)
-            self.accept(r, token, row)
+            if r.constraint is not None:
+                r.constraint.accept(token)
+            self.accept(r, token, raw)  # logprobs are the raw logits', not the masked ones
+
+    def end_early(self, r: Request, note: str):
+        """r ends with finish_reason "stop" before its next token (its grammar allows none), its text released."""
+        r.note, r.finish_reason = note, "stop"
+        try:
+            emit(r, stable_text(answer_text(r, len(r.tokens), self.tokenizer)))
+        except Exception as e:
+            self.fail(r, ApiError(500, f"request failed: {type(e).__name__}: {e}", kind="server_error"))
+            return
+        self.release(r, "stop")
 
     def can_speculate(self, r: Request) -> bool:
         """The library's speculative loop serves a lone decoding request: greedy (its output is the same either
@@ -741,7 +776,8 @@ class Scheduler:
         speculator = self.generator.speculator
         return (speculator is not None and r.prefilled == len(r.prompt_ids) and not r.cancelled
                 and (r.sampling.temperature == 0 or r.seed is None)
-                and (r.logprobs is None or getattr(speculator, "gives_logprobs", False)))
+                and (r.logprobs is None or getattr(speculator, "gives_logprobs", False))
+                and (r.constraint is None or isinstance(speculator, Speculator)))  # not a draft of another tokenizer
 
     @torch.no_grad()
     def speculate(self, r: Request):
@@ -785,12 +821,17 @@ class Scheduler:
             with sdpa_context():
                 extra["features"] = self.engine.forward_features(ids, torch.arange(len(context), device=self.device)
                                                                  .view(1, -1))[1].clone()
+        if r.constraint is not None:  # it has taken r's tokens so far; the loop hands it each new one
+            extra["constraints"] = [r.constraint]
         try:
             self.generator.speculator.generate(engine, [context], current, r.max_tokens - len(r.tokens) + 1,
                                                r.sampling, sorted(self.eos), True, on_token, **extra,
                                                **({"logprobs": True} if r.logprobs is not None else {}))
         except Yield:
             pass
+        else:
+            if r.constraint is not None and r.constraint.note is not None and self.rows[r.slot] is r:
+                self.end_early(r, r.constraint.note)  # the loop ended its row at the grammar's dead end
         self.metrics.spec_tokens += r.spec_tokens - tokens_before
         self.metrics.spec_forwards += forwards[0]
 
@@ -856,20 +897,22 @@ def check_text(text: str, where: str) -> str:
 # answer that silently ignores them (a JSON mode or a tool call the client then fails to parse). Their neutral
 # values (absent, null, empty, off) pass.
 UNSUPPORTED = {
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
-    "tools": lambda v: v == [], "functions": lambda v: v == [],
-    "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+    "functions": lambda v: v == [], "function_call": lambda v: v == "none",
     "logit_bias": lambda v: v == {}, "top_logprobs": lambda v: v == 0,
     "best_of": lambda v: v == 1 and not isinstance(v, bool), "suffix": lambda v: v == "",
     "modalities": lambda v: v == ["text"], "audio": lambda v: False, "prediction": lambda v: False,
 }
 COMPLETIONS_ONLY = ("best_of", "suffix")
 CHAT_READS = ("top_logprobs",)  # completions ask for alternatives with `logprobs` N (read_logprobs)
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 # the most alternatives per token OpenAI gives: chat's `top_logprobs`, completions' `logprobs`
 MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5
 
 
 def refuse_unsupported(body: dict, chat: bool):
+    for name in CHAT_ONLY:
+        if not chat and body.get(name) not in (None, [], "none", False):
+            raise ApiError(400, f"`{name}` is for /v1/chat/completions", name, "unsupported_value")
     for name, neutral in UNSUPPORTED.items():
         if chat and name in COMPLETIONS_ONLY + CHAT_READS or body.get(name) is None or neutral(body[name]):
             continue
@@ -932,6 +975,8 @@ def read_logprobs(body: dict, chat: bool) -> tuple:
 
 
 def read_messages(body: dict) -> list:
+    """The conversation: each message's role and text; an assistant's `tool_calls` (then its content may be null)
+    and a tool result's `tool_call_id` kept for the chat template (chat_messages)."""
     messages = body.get("messages")
     if messages is None:
         raise ApiError(400, "`messages` is required: a list of {\"role\", \"content\"} objects", "messages",
@@ -951,10 +996,183 @@ def read_messages(body: dict) -> list:
                 raise ApiError(400, f"`{where}.content` parts must be {{\"type\": \"text\", \"text\": ...}}",
                                f"{where}.content", "invalid_value")
             content = "".join(p["text"] for p in content)
+        calls = read_tool_calls(m.get("tool_calls"), f"{where}.tool_calls") if m["role"] == "assistant" else None
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"`{where}.content` must be a string", f"{where}.content", "invalid_value")
-        out.append({"role": check_text(m["role"], f"{where}.role"), "content": check_text(content, f"{where}.content")})
+        message = {"role": check_text(m["role"], f"{where}.role"), "content": check_text(content, f"{where}.content")}
+        if calls:
+            message["tool_calls"] = calls
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def read_tool_calls(calls, where: str) -> Optional[list]:
+    """An assistant message's earlier tool calls, each {"id", "type": "function", "function": {"name",
+    "arguments"}}, the arguments (OpenAI's JSON text) read into an object, as chat templates expect them."""
+    if calls is None or calls == []:
+        return None
+    if not isinstance(calls, list):
+        raise ApiError(400, f"`{where}` must be a list of tool calls", where, "invalid_value")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"`{where}[{j}].function.name` must be a string", f"{where}[{j}].function.name",
+                           "invalid_value")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise ApiError(400, f"`{where}[{j}].function.arguments` is not JSON text",
+                           f"{where}[{j}].function.arguments", "invalid_value") from None
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+# ----------------------------------------------------------------------------- structured output and tool calls
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NO_PARAMETERS = {"type": "object", "properties": {}}
+# for chat templates that do not read `tools`: the tools and the answer's shape, said in a system message
+TOOLS_PROMPT = ("Functions you can call:\n{tools}\nTo call one, answer with only {{\"name\": NAME, \"arguments\": "
+                "{{...}}}}.")
+
+
+@dataclass
+class Structure:
+    """What a request's answer must be: `grammar` (how to build its grammar.Compiled: a callable, run off the event
+    loop; None: free text), the tools to show the model, and whether the answer may be a tool call to parse back."""
+    grammar: Optional[callable] = None
+    tools: Optional[list] = None
+    calls: bool = False
+
+
+def read_structure(body: dict, chat: bool, grammars) -> Structure:
+    """`response_format` and `tools` / `tool_choice`, checked (a 400 naming the field) before anything is compiled
+    or decoded. `grammars` (a callable giving the generator's grammar.Grammars) is called only when needed."""
+    form = body.get("response_format")
+    if form is not None and not (isinstance(form, dict) and form.get("type") in ("text", "json_object",
+                                                                                  "json_schema")):
+        raise ApiError(400, "`response_format.type` must be text, json_object or json_schema",
+                       "response_format.type", "invalid_value")
+    schema, kind = None, (form or {}).get("type", "text")
+    if kind == "json_schema":
+        spec = form.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ApiError(400, "`response_format.json_schema.schema` must be a JSON Schema object",
+                           "response_format.json_schema.schema", "invalid_value")
+        schema = spec["schema"]
+        schema_error(check_schema, schema, "response_format.json_schema.schema")
+    tools = read_tools(body) if chat else []
+    choice = read_tool_choice(body, [name for name, _, _ in tools])
+    if choice != "none" and kind != "text":
+        raise ApiError(400, "`response_format` and a tool call cannot both shape one answer: set `tool_choice` to "
+                       "\"none\" or drop `response_format`", "response_format", "invalid_value")
+    shown = [tool for _, _, tool in tools] or None
+    if choice != "none":
+        chosen = [(name, parameters) for name, parameters, _ in tools if choice in ("auto", "required", name)]
+        return Structure(lambda: grammars().tool_call(chosen, choice != "auto"), shown, True)
+    if kind == "text":
+        return Structure(None, shown)
+    where = "response_format.json_schema.schema" if schema is not None else "response_format"
+    return Structure(lambda: grammars().json_schema(schema, where), shown)
+
+
+def schema_error(function, *args):
+    try:
+        return function(*args)
+    except SchemaError as e:
+        raise ApiError(400, str(e), e.field, "invalid_value") from None
+
+
+def read_tools(body: dict) -> list:
+    """[(name, parameters schema, the tool as given)] of `tools`: OpenAI's function tools, each named."""
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise ApiError(400, "`tools` must be a list of {\"type\": \"function\", \"function\": {...}}", "tools",
+                       "invalid_value")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ApiError(400, f"`{where}.type` must be \"function\"", f"{where}.type", "invalid_value")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise ApiError(400, f"`{where}.function` must be an object", f"{where}.function", "invalid_value")
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ApiError(400, f"`{where}.function.name` must be 1 to 64 letters, digits, _ or - (got "
+                           f"{json.dumps(name)[:80]})", f"{where}.function.name", "invalid_value")
+        if name in [n for n, _, _ in out]:
+            raise ApiError(400, f"`{where}.function.name` {name!r} names two tools", f"{where}.function.name",
+                           "invalid_value")
+        parameters = function.get("parameters", NO_PARAMETERS)
+        schema_error(check_schema, parameters, f"{where}.function.parameters")
+        out.append((name, parameters, tool))
+    return out
+
+
+def read_tool_choice(body: dict, names: list) -> str:
+    """"none", "auto", "required" or the name of the one tool to call."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if names else "none"
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        choice = choice["function"].get("name")
+        if choice not in names:
+            raise ApiError(400, f"`tool_choice` names the function {json.dumps(choice)[:80]}, which is not among "
+                           f"`tools`", "tool_choice", "invalid_value")
+        return choice
+    if choice not in ("none", "auto", "required"):
+        raise ApiError(400, "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": "
+                       "{\"name\": ...}}", "tool_choice", "invalid_value")
+    if choice != "none" and not names:
+        raise ApiError(400, f"`tool_choice` {choice} needs `tools`", "tool_choice", "invalid_value")
+    return choice
+
+
+def chat_messages(messages: list, tools: Optional[list], tokenizer) -> tuple:
+    """(messages, tools) for the chat template: as they are where it reads `tools`; otherwise the tools described
+    in a system message (TOOLS_PROMPT), earlier calls written as the JSON the model is asked for, and tool results
+    as user messages."""
+    if tokenizer.uses_tools or not (tools or any("tool_calls" in m or m["role"] == "tool" for m in messages)):
+        return messages, tools
+    out = []
+    for m in messages:
+        if "tool_calls" in m:
+            calls = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                     for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join([m["content"]] * bool(m["content"]) + calls)})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"The function returned: {m['content']}"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        text = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t["function"], separators=(",", ":")) for t in tools))
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out, None
+
+
+def tool_calls_of(text: str) -> Optional[list]:
+    """The answer as OpenAI's message.tool_calls, if it is a whole tool call ({"name", "arguments"}); else None."""
+    if not text.startswith("{"):
+        return None
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:  # cut short by max_tokens
+        return None
+    return [{"id": "call_" + secrets.token_hex(12), "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -1101,12 +1319,18 @@ async def complete(service: Service, request, chat: bool):
     check_model(body, service.model_name)
     settings = read_settings(body, chat)
     scheduler = service.scheduler
-    prompt_ids, param, prompt_text = read_prompt(body, chat, scheduler.tokenizer)
+    structure = read_structure(body, chat, lambda: scheduler.grammars)
+    prompt_ids, param, prompt_text = read_prompt(body, chat, scheduler.tokenizer, structure.tools)
     max_tokens = fit_context(prompt_ids, settings["max_tokens"], scheduler.context, param)
+    constraint = None
+    if structure.grammar is not None:  # compiled once per schema (cached), off the event loop
+        compiled = await asyncio.to_thread(schema_error, structure.grammar)
+        constraint = Constraint(compiled, scheduler.model.args.vocab_size)
     events = asyncio.Queue()
     r = Request(prompt_ids, max_tokens, Sampling(settings["temperature"], settings["top_k"], settings["top_p"]),
                 settings["seed"], settings["stop"], functools.partial(mailbox_of(scheduler).post, events),
-                logprobs=settings["logprobs"], echo=prompt_text if settings["echo"] else None)
+                logprobs=settings["logprobs"], echo=prompt_text if settings["echo"] else None,
+                constraint=constraint, calls=structure.calls)
     scheduler.submit(r)
     watcher = asyncio.create_task(watch_disconnect(request, r, scheduler, events))
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
@@ -1138,14 +1362,14 @@ def check_model(body: dict, model_name: str):
                        f"(GET /v1/models)", "model", "model_not_found")
 
 
-def read_prompt(body: dict, chat: bool, tokenizer) -> tuple:
-    """The prompt's token ids (a chat's through the chat template), the name of the field they came from, and the
-    prompt's text (what `echo` repeats). A completion's prompt is a string or its token ids (as lm-eval sends
-    them), alone or as a list of one."""
+def read_prompt(body: dict, chat: bool, tokenizer, tools: Optional[list] = None) -> tuple:
+    """The prompt's token ids (a chat's through the chat template, with its tools: chat_messages), the name of the
+    field they came from, and the prompt's text (what `echo` repeats). A completion's prompt is a string or its
+    token ids (as lm-eval sends them), alone or as a list of one."""
     if chat:
-        messages = read_messages(body)
+        messages, tools = chat_messages(read_messages(body), tools, tokenizer)
         try:
-            return tokenizer.chat_ids(messages), "messages", None
+            return tokenizer.chat_ids(messages, tools=tools), "messages", None
         except UserError as e:
             raise ApiError(400, f"`messages`: {e}", "messages", "invalid_value") from None
     prompt = body.get("prompt")
@@ -1212,7 +1436,11 @@ async def answer_whole(r: Request, events: asyncio.Queue, watcher, scheduler: Sc
         watcher.cancel()
         scheduler.cancel(r)
     choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs_field(r, entries, chat, whole=True)}
-    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+    message = {"role": "assistant", "content": text}
+    calls = tool_calls_of(text) if r.calls else None
+    if calls:  # the answer is a tool call: OpenAI's shape for it
+        message, choice["finish_reason"] = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    choice.update({"message": message} if chat else {"text": text})
     return JSONResponse(dict(meta, object="chat.completion" if chat else "text_completion", choices=[choice],
                              usage=usage(r), fastgen=r.stats()))
 
@@ -1284,16 +1512,19 @@ async def stream(r: Request, events: asyncio.Queue, watcher, scheduler: Schedule
     and this answer's figures (an extension field, `fastgen`)."""
     kind_name = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: Optional[str], finish: Optional[str] = None, first: bool = False, entries=(), **extra) -> str:
+    def chunk(text: Optional[str], finish: Optional[str] = None, first: bool = False, entries=(), calls=None,
+              **extra) -> str:
         logprobs = logprobs_field(r, list(entries), chat)  # the records of the tokens this chunk's text holds
         if chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+            delta |= {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]} if calls else {}
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         extra = ({"usage": None} if include_usage else {}) | extra  # OpenAI's chunks say so until the last
         return f"data: {json.dumps(dict(meta, object=kind_name, choices=[choice], **extra))}\n\n"
 
+    held = "" if r.calls else None  # an answer that may be a tool call: held while it may be
     try:
         if chat:
             yield chunk("", first=True)
@@ -1304,10 +1535,19 @@ async def stream(r: Request, events: asyncio.Queue, watcher, scheduler: Schedule
                 pending += value
             elif kind == "prompt":
                 yield chunk(r.echo, entries=value or [])
+            elif kind == "text" and held is not None:
+                held += value
+                if not held.startswith("{"):  # text, not a call: it streams from here on
+                    yield chunk(held, entries=pending)
+                    held, pending = None, []
             elif kind == "text":
                 yield chunk(value, entries=pending)
                 pending = []
             elif kind == "done":
+                calls = tool_calls_of(held) if held else None
+                if calls or held:  # the held answer: a tool call, or text after all
+                    yield chunk(None, calls=calls, entries=pending) if calls else chunk(held, entries=pending)
+                    value, pending = "tool_calls" if calls else value, []
                 yield chunk(None if chat else "", value, entries=pending, fastgen=r.stats())
                 if include_usage:
                     yield f"data: {json.dumps(dict(meta, object=kind_name, choices=[], usage=usage(r)))}\n\n"

@@ -21,6 +21,7 @@ from torch import Tensor
 from decode import EOS_CHECK_EVERY, Engine, Sampling, chosen_is_finite, decode_n_tokens, logits_to_probs, \
     sample, sample_from, sdpa_context
 from errors import UserError, write_atomically
+from grammar import apply_bitmask
 
 NO_PARENT = -2  # padding node: not part of the tree, never accepted
 
@@ -218,7 +219,7 @@ def target_logprobs(logits: Tensor) -> Tensor:
 
 
 def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, active: Optional[list] = None,
-                features: bool = False, logprobs: bool = False):
+                features: bool = False, logprobs: bool = False, masks: Optional[list] = None):
     """One target forward over every row's tree (row b's node i at cache slot pos[b] + i, RoPE position
     pos[b] + depth, seeing the row's prefix and its ancestors), then verification of each active row, then
     each accepted path's keys/values moved to the slots right after its root. Trees have one size (Tree.pad_to).
@@ -226,7 +227,8 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     which keeps its place in the batch so the shapes stay fixed, and changes nothing). With `features`, also the
     target's features of every node [B, n, F] (Engine.forward_features: what a draft head reads). With `logprobs`,
     each row's result also holds the target's log-probabilities at the tokens it emits ([len(path) + 1, V],
-    target_logprobs)."""
+    target_logprobs: of the raw logits, before any mask). masks: per row, None or a grammar's bitmask of its first
+    nodes ([m, words], constrain()): their logits masked before verifying."""
     model = target.model
     device = model.tok_embeddings.weight.device
     n = len(trees[0].tokens)
@@ -245,6 +247,12 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     if not bool((logits < float("inf")).all()):  # NaN or +inf (-inf only rules its token out); the step syncs anyway
         raise non_finite_logits(model, "for a verified draft")
     active = active if active is not None else [True] * len(trees)
+    raw = logits
+    for b, bitmask in enumerate(masks or []):
+        if bitmask is not None:
+            if logits is raw:  # a copy: logprobs are the raw logits', and a forward's output may be reused
+                logits = logits.float().clone()
+            apply_bitmask(logits[b, :len(bitmask)], bitmask)
     if sampling.temperature == 0:
         argmax = logits.argmax(-1).tolist()  # one look at the host for the whole batch
         results = [verify_greedy(tree, row) if live else None for tree, row, live in zip(trees, argmax, active)]
@@ -252,7 +260,7 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
         probs = logits_to_probs(logits, sampling)  # [B, n, V]
         results = [verify(tree, row) if live else None for tree, row, live in zip(trees, probs, active)]
     if logprobs:  # the emitted tokens are scored at the root and at each accepted node (each one's next token)
-        results = [result and result + (target_logprobs(logits[b, [0] + result[0]]),)
+        results = [result and result + (target_logprobs(raw[b, [0] + result[0]]),)
                    for b, result in enumerate(results)]
     rows, src, dst = [], [], []
     for b, result in enumerate(results):
@@ -263,6 +271,28 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
             dst += range(pos[b] + 1, pos[b] + 1 + len(path))
     target.move_cache_slots(src, dst, rows)
     return (results, hidden.clone()) if features else results  # clone: a CUDA graph's replay overwrites its outputs
+
+
+class RowConstraint(Protocol):
+    """What the loop asks of a row's grammar (grammar.Constraint): it has taken the row's tokens so far."""
+    ended: bool  # the grammar is done, or allows no token (the row ends)
+
+    def prune(self, tree: Tree) -> tuple:
+        """(the tree without the drafts it forbids, proposals renormalised; [kept nodes, words] int32 bitmask of the
+        tokens allowed after each kept node's path)."""
+
+    def accept(self, token: int) -> bool:
+        """Take the row's next token; False at a dead end (no token was allowed: the row ends without it)."""
+
+
+def constrain(trees: list, constraints: Optional[list], live: list) -> tuple:
+    """Each live row's tree without the drafted nodes its grammar forbids, and the bitmask that masks the target's
+    logits at each kept node (grammar.Constraint.prune: verification stays exact); a row without a constraint (None)
+    or not live as it is. Returns (trees, masks or None)."""
+    if constraints is None:
+        return trees, None
+    pruned = [c.prune(tree) if c is not None and on else (tree, None) for tree, c, on in zip(trees, constraints, live)]
+    return [tree for tree, _ in pruned], [bitmask for _, bitmask in pruned]
 
 
 # ----------------------------------------------------------------------------- the speculative loop
@@ -548,16 +578,18 @@ class Speculator:
 
     def generate(self, target: Engine, prompts: list, first: Tensor, max_new_tokens: int, sampling: Sampling,
                  eos_ids: list, stop_at_eos: bool, callback=None, features: Optional[Tensor] = None,
-                 logprobs: bool = False):
+                 logprobs: bool = False, constraints: Optional[list] = None):
         """Tokens after each row's prompt (lists of ids, any lengths; the target's cache holds them, right-padded)
         and `first` ([B], the prefill's tokens); features: the prompts' target features [B, T, F] where the drafter
         reads them. With `logprobs`, callback(token, scores) also gets the target's log-probabilities [V] where each
         token was chosen (target_logprobs), whether it came from an accepted draft or a plain step; None for `first`
-        (the caller's prefill scored it). Returns ([new ids per row], acceptance stats)."""
+        (the caller's prefill scored it). constraints: per row, None or a grammar.Constraint that has taken `first`
+        (drafts it forbids are cut, the target's logits masked, every step verifies: no plain runs). Returns ([new
+        ids per row], acceptance stats)."""
         drafter, batch, auto = self.drafter, len(prompts), self.auto
         assert callback is None or batch == 1, "streaming is for one row"
         stats = Stats(drafter.depth, drafter.tree_nodes)
-        rows = Rows(prompts, [[t] for t in first.tolist()], max_new_tokens, set(eos_ids), stop_at_eos)
+        rows = Rows(prompts, [[t] for t in first.tolist()], max_new_tokens, set(eos_ids), stop_at_eos, constraints)
         if callback:
             callback(first, None) if logprobs else callback(first)
         if any(rows.live):
@@ -569,7 +601,7 @@ class Speculator:
         while any(rows.live):
             arm = auto.choose(batch) if auto else (drafter.depth, drafter.tree_nodes)
             started = time.perf_counter()
-            if arm is None and all(rows.live):
+            if arm is None and all(rows.live) and constraints is None:
                 step = self.plain_run(target, rows, sampling, eos_ids, callback, stats, started, first.device,
                                       logprobs)
             elif arm is None:
@@ -619,11 +651,24 @@ class Speculator:
         """A plain step: the root alone (an empty accepted path), at plain decoding's cost."""
         trees = [Tree.rooted_at(c[-1]) for c in rows.contexts]
         stats.plain_steps += 1
+        if rows.constraints is not None:  # the root alone through verification, which masks its logits
+            return self.masked_plain_step(target, rows, trees, sampling, stats, started, logprobs)
         tokens, hidden, scores = plain_step(target, rows.contexts, rows.pos, sampling, bool(self.features), logprobs)
         self.drafter.accepted([[] if row_live else None for row_live in rows.live], trees, rows.pos, hidden)
         stats.target_forwards += 1
         return Step([[token] if row_live else None for token, row_live in zip(tokens, rows.live)], trees, [], 1,
                     started, started, scores=[[row] for row in scores] if logprobs else None)
+
+    def masked_plain_step(self, target: Engine, rows: "Rows", trees: list, sampling: Sampling, stats: Stats,
+                          started: float, logprobs: bool = False) -> "Step":
+        """A plain step of constrained rows: each root's logits masked by its grammar (verification of a lone root)."""
+        trees, masks = constrain(trees, rows.constraints, rows.live)
+        results = verify_step(target, trees, rows.pos, sampling, rows.live, bool(self.features), logprobs, masks)
+        results, hidden = results if self.features else (results, None)
+        self.drafter.accepted([[] if result else None for result in results], trees, rows.pos, hidden)
+        stats.target_forwards += 1
+        return Step([[result[1]] if result else None for result in results], trees, [], 1, started, started,
+                    scores=[result and list(result[2]) for result in results] if logprobs else None)
 
     def speculative_step(self, target: Engine, rows: "Rows", arm: tuple, sampling: Sampling, stats: Stats,
                          started: float, after_plain: bool, logprobs: bool = False) -> "Step":
@@ -634,12 +679,14 @@ class Speculator:
                                         **({"nodes": arm[1]} if self.auto else {}))
         if self.auto:  # the draft's own seconds (on CUDA, a sync; otherwise draft and verification queue)
             synchronize(target.model)
+        # drafts a row's grammar forbids cut (before the timing: a cost of the draft)
+        trees, masks = constrain(trees, rows.constraints, rows.live)
         drafted = time.perf_counter()
         caught_up = getattr(drafter, "caught_up", 0.0)
         if after_plain and caught_up > started:  # reading the plain steps' tokens is the cost of switching,
             started = caught_up                    # not of this arm: not priced in it
         results = verify_step(target, [tree.pad_to(arm[1] + 1) for tree in trees], rows.pos, sampling, rows.live,
-                              bool(self.features), logprobs)
+                              bool(self.features), logprobs, masks)
         results, hidden = results if self.features else (results, None)
         paths = [result[0] if result else None for result in results]
         drafter.accepted(paths, trees, rows.pos, hidden)
@@ -673,16 +720,20 @@ class Step:
 
 class Rows:
     """Each row's state in the speculative loop: its new tokens, the slot of its current token, its context, and
-    whether it still runs. A finished row idles: its context stays as it was."""
+    whether it still runs. A finished row idles: its context stays as it was. A row with a grammar (constraints[b])
+    hands it each token it keeps, and ends where the grammar does."""
 
-    def __init__(self, prompts: list, outs: list, max_new_tokens: int, eos: set, stop_at_eos: bool):
+    def __init__(self, prompts: list, outs: list, max_new_tokens: int, eos: set, stop_at_eos: bool,
+                 constraints: Optional[list] = None):
         self.outs, self.max_new_tokens, self.eos, self.stop_at_eos = outs, max_new_tokens, eos, stop_at_eos
+        self.constraints = constraints
         self.pos = [len(p) for p in prompts]  # each row's slot of its current token (last accepted, not yet cached)
-        self.live = [not self.finished(out) for out in outs]
+        self.live = [not self.finished(out, b) for b, out in enumerate(outs)]
         self.contexts = [p + out for p, out in zip(prompts, outs)]
 
-    def finished(self, out: list) -> bool:
-        return len(out) >= self.max_new_tokens or (self.stop_at_eos and out[-1] in self.eos)
+    def finished(self, out: list, b: int) -> bool:
+        ended = self.constraints is not None and self.constraints[b] is not None and self.constraints[b].ended
+        return ended or len(out) >= self.max_new_tokens or (self.stop_at_eos and out[-1] in self.eos)
 
     def taken(self, out: list, new: list) -> int:
         """How many of a row's new tokens it keeps: up to its end (the length, or EOS where it stops there)."""
@@ -696,11 +747,17 @@ class Rows:
             if new is None or not self.live[b]:
                 continue
             new = new[:self.taken(self.outs[b], new)]
-            self.outs[b] += new
-            if callback:
-                for i, t in enumerate(new):
+            constraint = self.constraints[b] if self.constraints is not None else None
+            kept = []
+            for i, t in enumerate(new):  # the grammar takes each token before the callback sees it (it may end the loop)
+                if constraint is not None and not constraint.accept(t):  # a dead end: no token, the row ends
+                    break
+                kept.append(t)
+                if callback:
                     callback(torch.tensor([t]), scores[b][i]) if scores else callback(torch.tensor([t]))
-            if self.finished(self.outs[b]):
+            new = kept
+            self.outs[b] += new
+            if self.finished(self.outs[b], b):
                 self.live[b] = False
             else:
                 self.pos[b] += len(new)

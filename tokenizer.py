@@ -159,9 +159,10 @@ class Tokenizer:
         processor.encode_special_tokens = True
         return processor
 
-    def render_chat(self, messages: list, add_generation_prompt: bool = True) -> str:
-        """`messages` ([{"role": ..., "content": ...}]) as the chat template writes them; a template that fails,
-        rejects the conversation or tries to leave the sandbox raises UserError naming the template's file."""
+    def render_chat(self, messages: list, add_generation_prompt: bool = True, tools: list = None) -> str:
+        """`messages` ([{"role": ..., "content": ...}]) as the chat template writes them (with `tools`, OpenAI's
+        tool list, where the template reads it: uses_tools); a template that fails, rejects the conversation or tries
+        to leave the sandbox raises UserError naming the template's file."""
         import jinja2
         template, source = self.chat_template, self.chat_template_source
         if template is None:
@@ -175,7 +176,7 @@ class Tokenizer:
             budget = compiled.environment.start_budget()
             chunks = []
             with watching(budget):
-                for chunk in compiled.generate(messages=messages, tools=None, documents=None,
+                for chunk in compiled.generate(messages=messages, tools=tools, documents=None,
                                                add_generation_prompt=add_generation_prompt, **self.special_tokens):
                     budget.spend(0, len(chunk))
                     chunks.append(chunk)
@@ -196,10 +197,24 @@ class Tokenizer:
                             f"template")
         return text
 
-    def chat_ids(self, messages: list, add_generation_prompt: bool = True) -> list:
+    def chat_ids(self, messages: list, add_generation_prompt: bool = True, tools: list = None) -> list:
         """The rendered chat encoded as apply_chat_template(tokenize=True) encodes it: without added special
         tokens, since the template writes its own BOS."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+
+    @cached_property
+    def uses_tools(self) -> bool:
+        """Whether the chat template reads a `tools` list (it then renders tool definitions its own way)."""
+        if self.chat_template is None:
+            return False
+        import jinja2.ext
+        import jinja2.meta
+        try:
+            parsed = jinja2.Environment(extensions=[generation_tag(), jinja2.ext.loopcontrols]).parse(
+                self.chat_template)
+        except jinja2.exceptions.TemplateError:  # render_chat names the template's error
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(parsed)
 
 
 class HFJsonTokenizer(Tokenizer):

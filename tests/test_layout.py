@@ -1,6 +1,6 @@
-"""The layout: imports flow one way, errors, kernels <- model <- tokenizer, quantize, tp <- decode <- speculate <-
-draftmodel <- drafthead, crossdraft <- generation (the library) <- generate.py (the command line) <- nothing: scripts
-and tests import the library, never the command line."""
+"""The layout: imports flow one way, errors, kernels <- model <- tokenizer, grammar, quantize, tp <- decode <-
+speculate <- draftmodel <- drafthead, crossdraft <- generation (the library) <- generate.py (the command line) <-
+nothing: scripts and tests import the library, never the command line."""
 import ast
 import subprocess
 import sys
@@ -8,8 +8,8 @@ import sys
 from helpers import ROOT
 
 # each imports only earlier ones
-ORDER = ["errors", "artifacts", "kernels", "model", "tokenizer", "quantize", "tp", "compilation", "decode", "speculate", "draftmodel",
-         "drafthead", "crossdraft", "generation", "generate", "serve", "eval"]
+ORDER = ["errors", "artifacts", "kernels", "model", "tokenizer", "grammar", "quantize", "tp", "compilation", "decode",
+         "speculate", "draftmodel", "drafthead", "crossdraft", "generation", "generate", "serve", "eval"]
 LIBRARY = ORDER[:ORDER.index("generation") + 1]
 ENTRY_POINTS = ORDER[len(LIBRARY):]  # run, never imported
 
