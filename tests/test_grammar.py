@@ -294,7 +294,7 @@ def test_the_servers_draw_masks_before_top_k(server, monkeypatch):
     logits[(~allowed).nonzero()[:3, 0]] = 3.0  # three forbidden tokens above every allowed one
     sampling = Sampling(1.0, top_k=6)
     drawn = []
-    monkeypatch.setattr(scheduler, "accept", lambda r, token: drawn.append(token))
+    monkeypatch.setattr(scheduler, "accept", lambda r, token, scores=None: drawn.append(token))
     r = serve.Request([1], 8, sampling, seed=0, constraint=constraint)
     for _ in range(3000):
         scheduler.pick([(r, logits)])

@@ -86,6 +86,20 @@ def test_chat_logprobs_are_the_targets_log_softmax(server, library, reference, t
         assert all(c.token == c.top_logprobs[0].token for c in content)  # greedy: the likeliest token
 
 
+def test_a_constrained_answer_is_scored_with_the_raw_logits(server, reference):
+    """A request with a grammar (response_format) draws from its logits masked by it, in batched decoding; its
+    records are the target's own log-probabilities all the same."""
+    for temperature in (0, 0.8):
+        reply = server.client.chat.completions.create(
+            model=server.name, messages=[{"role": "user", "content": "JSON, please."}], max_tokens=24,
+            temperature=temperature, seed=5, logprobs=True, top_logprobs=3, response_format={"type": "json_object"})
+        r = server.finished.last()
+        content = reply.choices[0].logprobs.content
+        assert r.constraint is not None and reply.choices[0].message.content.startswith("{")
+        check_answer(reference, r.prompt_ids, r.tokens, [c.logprob for c in content],
+                     [[t.logprob for t in c.top_logprobs] for c in content])
+
+
 def test_chat_stream_chunks_carry_their_tokens_logprobs(server, reference):
     body = dict(model=server.name, messages=[{"role": "user", "content": "Tell me more."}], max_tokens=24,
                 temperature=0, logprobs=True, top_logprobs=2)
@@ -301,7 +315,10 @@ def test_a_lone_speculating_request_gets_the_targets_logprobs(random_target, nea
     try:
         body = {"messages": [{"role": "user", "content": "Say something long."}], "max_tokens": 40,
                 "temperature": 0, "logprobs": True, "top_logprobs": 3}
-        for stream, temperature in ((False, 0), (True, 0), (False, 0.8)):
+        # the last: a grammar's answer (response_format), drawn from masked logits, scored with the raw ones
+        for stream, temperature, form in ((False, 0, None), (True, 0, None), (False, 0.8, None),
+                                          (False, 0.8, {"type": "json_object"})):
+            body = body | ({"response_format": form} if form else {})
             if stream:
                 chunks = list(running.client.chat.completions.create(model=running.name, stream=True, **body))
                 content = [c for chunk in chunks if chunk.choices[0].logprobs for c in chunk.choices[0].logprobs
@@ -314,6 +331,7 @@ def test_a_lone_speculating_request_gets_the_targets_logprobs(random_target, nea
             r = finished.last()
             check_answer(reference, r.prompt_ids, r.tokens, [c.logprob for c in content],
                          [[t.logprob for t in c.top_logprobs] for c in content])
+            assert (r.constraint is not None) == (form is not None)
             if temperature == 0 and (stream or drafter == "draft"):
                 assert spec["tokens_per_target_forward"] > 1  # drafts were accepted
             if drafter == "ngram":  # the lookup drafts the next answers from this one (a library run's samples)
