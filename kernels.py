@@ -229,34 +229,56 @@ def use_stored_layout(model: torch.nn.Module):
 MADV_DONTNEED = 4  # Linux: a private file mapping's pages are dropped, and read from the file again if touched
 
 
-def release_file_pages(model: torch.nn.Module):
-    """Drop this process's resident pages of memory-mapped files (a checkpoint loaded with mmap=True) that no tensor
-    of the model reads any more: weights packed, stacked or converted into memory of their own were read once, and
-    their file pages would count in the process's memory beside the copy until the file is unmapped. Only private
-    file mappings, and only outside every range a tensor of the model still uses (nothing else reads a weight the
-    model let go; a page touched again is read from the file as it was)."""
+def file_mappings() -> list:
+    """[(start, end)] of this process's private mappings of files (/proc/self/maps), [] where there is none to read."""
     if not sys.platform.startswith("linux"):
-        return
+        return []
     try:
         with open("/proc/self/maps") as f:
             lines = f.read().splitlines()
     except OSError:
-        return
-    mappings = []
+        return []
+    found = []
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[1].endswith("p") and fields[5].startswith("/") and "(deleted)" not in fields[5]:
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            mappings.append((start, end))
-    if not mappings:
-        return
-    used = sorted((t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-                  for t in itertools.chain(model.parameters(), model.buffers())
-                  if t.device.type == "cpu" and t.untyped_storage().nbytes())
+            found.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    return found
+
+
+def drop_pages(ranges: list):
+    """madvise(MADV_DONTNEED) on the whole pages inside each [a, b): a private file mapping's unmodified pages go
+    from the process's memory and come back from the file, as they were, if read again."""
     page = os.sysconf("SC_PAGE_SIZE")
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    for start, end in mappings:
+    for a, b in ranges:
+        a, b = -(-a // page) * page, b // page * page  # whole pages only: a neighbour's edge stays
+        if b > a:
+            libc.madvise(a, b - a, MADV_DONTNEED)
+
+
+def storage_range(t: Tensor) -> tuple:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+def drop_file_pages(tensors):
+    """Drop the resident file pages of these tensors (read once from a memory-mapped checkpoint and done with; the
+    tensors stay valid and read the file again if used)."""
+    mappings = file_mappings()
+    drop_pages([(a, b) for a, b in map(storage_range, tensors)
+                if any(start <= a and b <= end for start, end in mappings)])
+
+
+def release_file_pages(model: torch.nn.Module):
+    """Drop this process's resident pages of memory-mapped files (a checkpoint loaded with mmap=True) that no tensor
+    of the model reads any more: weights packed, stacked or converted into memory of their own were read once, and
+    their file pages would count in the process's memory beside the copy until the file is unmapped. Only private
+    file mappings the model reads from, outside every range a tensor of the model still uses."""
+    used = sorted(storage_range(t) for t in itertools.chain(model.parameters(), model.buffers())
+                  if t.device.type == "cpu" and t.untyped_storage().nbytes())
+    for start, end in file_mappings():
         if not any(a < end and b > start for a, b in used):
             continue  # a file the model does not read from (a library, or a checkpoint it no longer uses at all)
         gaps, at = [], start
@@ -265,11 +287,7 @@ def release_file_pages(model: torch.nn.Module):
                 continue
             gaps.append((at, a))
             at = max(at, b)
-        gaps.append((at, end))
-        for a, b in gaps:
-            a, b = -(-a // page) * page, b // page * page  # whole pages only: a used tensor's edge stays
-            if b > a:
-                libc.madvise(a, b - a, MADV_DONTNEED)
+        drop_pages(gaps + [(at, end)])
 
 
 A8_BUILT = False  # a8_kernels() succeeded: what a graph being traced reads (dynamo would trace a8_kernels' build)

@@ -311,6 +311,7 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
     tied = args.tie_word_embeddings and "output.weight" not in state_dict
     if scheme.get("embedding") == "int8":
         out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(state_dict["tok_embeddings.weight"])
+        kernels.drop_file_pages([state_dict["tok_embeddings.weight"]])
     for name, linear, cls, _ in list(quantized_layers(model, scheme)):
         key = f"{name}.weight"
         if name == "output" and tied:
@@ -327,6 +328,7 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
         if not bool(torch.isfinite(scales).all()):  # a NaN or infinite weight makes its row's scale one
             raise UserError(f"{key} holds NaN or infinite values: the weights are broken; re-convert or "
                             f"re-download the checkpoint")
+        kernels.drop_file_pages([weight])  # read once: the file's pages need not stay beside the quantized copy
     return out
 
 

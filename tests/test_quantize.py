@@ -430,3 +430,22 @@ def test_int4_shard_must_hold_whole_groups():
     module = quantized_linear(sample_weight(n=32, k=64), "int4", groupsize=64, pack=False)
     with pytest.raises(UserError, match="group size 64 does not divide the 32 inputs"):
         tp.keep_columns(module, 0, 2)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
+def test_quantizing_lets_go_of_each_weights_file_pages(random_target):
+    """quantize_state_dict reads each weight of the memory-mapped checkpoint once: its file pages do not stay in the
+    process beside the quantized copy (an 8B model's would not fit beside it in memory)."""
+    from errors import read_checkpoint
+    from test_kernels import file_mappings
+    state_dict = read_checkpoint(random_target)
+    args = ModelArgs.from_checkpoint_dir(random_target.parent)
+    for t in state_dict.values():
+        t.sum()  # every page read, as quantizing does
+    before = sum(file_mappings(random_target).values())
+    assert before >= 0.9 * random_target.stat().st_size
+    quantized = quantize.quantize_state_dict(state_dict, args, {"mode": "int8", "embedding": "int8"})
+    kept = [name for name in state_dict if quantized[name] is state_dict[name]]  # norms: still the file's
+    assert kept and all("norm" in name for name in kept)
+    after = sum(file_mappings(random_target).values())
+    assert after <= sum(state_dict[name].nbytes for name in kept) + 4 * len(kept) * os.sysconf("SC_PAGE_SIZE")
