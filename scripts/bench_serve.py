@@ -201,13 +201,15 @@ def latencies(results: list) -> tuple:
 
 def summarize(done: list, seconds: float, stop_at: float) -> dict:
     """Aggregate tokens/s of the requests that ended by `stop_at` over `seconds`, their mean answer tokens/s (sent
-    -> last chunk), and latency percentiles of every request; for a chat, its last turns' TTFT apart."""
+    -> last chunk) and completion tokens (an answer may end at the model's end of text), and latency percentiles
+    of every request; for a chat, its last turns' TTFT apart."""
     inside = [r for r in done if r["ended"] <= stop_at]
     ttft, itl = latencies(done)
     rates = [r["tokens"] / (r["ended"] - r["sent"]) for r in inside if r["tokens"]]
     last = max((r.get("turn", 0) for r in done), default=0)
     row = {"requests": len(done), "tokens_per_sec": sum(r["tokens"] for r in inside) / seconds,
            "answer_tokens_per_sec": statistics.mean(rates) if rates else None,
+           "tokens_per_answer": statistics.mean(r["tokens"] for r in inside) if inside else None,
            "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95),
            "itl_p50": percentile(itl, 50), "itl_p95": percentile(itl, 95)}
     if last:
@@ -388,11 +390,12 @@ def report_versus(args, extra: list, peer, rows: list):
             speed = (lambda v: show(v, ".2f")) if x else (lambda v: show(v, ".1f"))  # noqa: E731
             latency = (lambda v: show(v, ".2f")) if x else (lambda v: show(v, ".1f", 1000))  # noqa: E731
             lines.append([str(r["batch_size"]), r["mode"], r["workload"], peer["name"] if side == "peer" else side,
-                          "" if x else str(r["clients"]), "" if x else str(f["requests"]), speed(f["tokens_per_sec"]),
+                          "" if x else str(r["clients"]), "" if x else str(f["requests"]),
+                          "" if x else show(f["tokens_per_answer"], ".1f"), speed(f["tokens_per_sec"]),
                           speed(f["answer_tokens_per_sec"]), *[latency(f[k]) for k in ("ttft_p50", "ttft_p95",
                                                                                        "itl_p50", "itl_p95")],
                           latency(f.get("last_turn_ttft_p50"))])
-    table(["B", "mode", "workload", "server", "clients", "requests", "tokens/s", "answer tok/s", "TTFT p50",
+    table(["B", "mode", "workload", "server", "clients", "requests", "tok/answer", "tokens/s", "answer tok/s", "TTFT p50",
            "TTFT p95", "ITL p50", "ITL p95", "last turn TTFT"], lines,
           "latencies in ms" + ("; x: ours / peer for tokens/s, peer / ours for latencies: > 1, ours ahead"
                                if peer else ""))
@@ -603,6 +606,9 @@ def main(argv=None):
         versus_generate(args, extra)
     else:
         peer = peer_of(args)
+        if peer and any(f.split("=")[0] in ("--max_seq_length", "--max_batch_size") for f in extra):
+            raise SystemExit("error: with a peer, give --context and --batch_sizes, not serve.py's --max_seq_length "
+                             "and --max_batch_size: both servers get them")
         report_versus(args, extra, peer, versus(args, extra, peer))
 
 

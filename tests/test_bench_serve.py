@@ -43,7 +43,7 @@ def test_summary_counts_the_answers_that_ended_inside_the_window():
             answer(1.0, [1.5, 1.6, 1.9, 2.0], 4, 2.5, turn=2)]  # the last one ends after the window
     row = bench_serve.summarize(done, seconds=2.0, stop_at=2.0)
     assert row["requests"] == 3 and row["tokens_per_sec"] == pytest.approx((3 + 2) / 2.0)
-    assert row["answer_tokens_per_sec"] == pytest.approx((3 / 0.5 + 2 / 0.5) / 2)
+    assert row["answer_tokens_per_sec"] == pytest.approx((3 / 0.5 + 2 / 0.5) / 2) and row["tokens_per_answer"] == 2.5
     assert row["ttft_p50"] == pytest.approx(0.4) and row["ttft_p95"] == pytest.approx(np.percentile([.1, .4, .5], 95))
     gaps = [0.1, 0.2, 0.1, 0.1, 0.3, 0.1]
     assert row["itl_p50"] == pytest.approx(np.percentile(gaps, 50))
@@ -52,7 +52,7 @@ def test_summary_counts_the_answers_that_ended_inside_the_window():
 
 
 def test_side_by_side_rows_print_and_hold_both_sides_and_their_ratios(tmp_path, capsys):
-    ours = {"requests": 10, "tokens_per_sec": 300.0, "answer_tokens_per_sec": 40.0, "ttft_p50": 0.02,
+    ours = {"requests": 10, "tokens_per_answer": 30.0, "tokens_per_sec": 300.0, "answer_tokens_per_sec": 40.0, "ttft_p50": 0.02,
             "ttft_p95": 0.05, "itl_p50": 0.01, "itl_p95": 0.02, "clients": 4}
     peer = dict(ours, tokens_per_sec=150.0, answer_tokens_per_sec=50.0, ttft_p95=0.1, itl_p50=None)
     row = bench_serve.side_by_side(4, "plain", "shared", 4, {"ours": ours, "peer": peer})
@@ -63,8 +63,8 @@ def test_side_by_side_rows_print_and_hold_both_sides_and_their_ratios(tmp_path, 
     bench_serve.report_versus(args, [], {"name": "llama-server", "command": ["x"], "draft": []}, [row])
     lines = capsys.readouterr().out.splitlines()
     assert "TTFT p95" in lines[0] and "ours / peer" in lines[0]
-    assert lines[1].split()[:5] == ["4", "plain", "shared", "ours", "4"] and "300.0" in lines[1]
-    assert lines[2].split()[3] == "llama-server" and lines[3].split()[3:5] == ["x", "2.00"]
+    assert lines[1].split()[:8] == ["4", "plain", "shared", "ours", "4", "10", "30.0", "300.0"]
+    assert lines[2].split()[3] == "llama-server" and lines[3].split()[3:6] == ["x", "2.00", "0.80"]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["rows"] == [row] and result["peer"]["name"] == "llama-server" and args.batch_sizes == [1, 2, 4, 8]
 
@@ -76,6 +76,7 @@ def test_side_by_side_rows_print_and_hold_both_sides_and_their_ratios(tmp_path, 
     (["--peer_command", "server", "--llama_cpp", "L"], "not both"),
     (["--workloads", "plain,bursty"], "--workloads must name some of"),
     (["--gguf", "m.gguf"], "give --llama_cpp DIR too"),
+    (["--peer_command", "server", "--", "--max_seq_length", "512"], "give --context and --batch_sizes"),
 ])
 def test_bad_peer_flags_are_one_line_before_any_server(flags, said):
     with pytest.raises(SystemExit, match=said) as e:
