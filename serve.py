@@ -225,6 +225,10 @@ def accept_row(r: Request, tree: Tree, logits: torch.Tensor) -> tuple:
     return verify(tree, logits_to_probs(logits, r.sampling))
 
 
+def broken_weights() -> ApiError:
+    return ApiError(500, "the model's logits are NaN or infinite: its weights are broken", kind="server_error")
+
+
 class NoLookup:
     """The n-gram table of a cache row that does not draft: it finds nothing."""
 
@@ -716,13 +720,9 @@ class Scheduler:
         for r, logits in rows:
             _, token = accept_row(r, Tree.rooted_at(r.tokens[-1] if r.tokens else r.prompt_ids[-1]), logits[None])
             if token is None:
-                self.broken(r)
+                self.fail(r, broken_weights())
             else:
                 self.accept(r, token)
-
-    def broken(self, r: Request):
-        self.fail(r, ApiError(500, "the model's logits are NaN or infinite: its weights are broken",
-                              kind="server_error"))
 
     def count_speculative(self, r: Request, forwards: int, tokens: int):
         """Figures of a request that may draft (fastgen.tokens_per_target_forward, the speculative metrics): the
@@ -802,7 +802,7 @@ class Scheduler:
         for r in live:
             path, token = results[r.slot]
             if token is None:
-                self.broken(r)
+                self.fail(r, broken_weights())
                 continue
             self.count_speculative(r, 1, 0)
             for t in [trees[r.slot].tokens[node] for node in path] + [token]:

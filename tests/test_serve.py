@@ -19,6 +19,7 @@ import torch
 
 import generation
 import serve
+import speculate
 from decode import Sampling
 from helpers import ROOT, copy_checkpoint, write_checkpoint
 from test_crossdraft import noisy_draft  # noqa: F401 (a fixture)
@@ -894,10 +895,11 @@ def test_a_lone_request_speculates_and_stays_exact(random_target, near_draft, li
         running.stop()
 
 
-def test_a_lone_requests_plain_steps_run_as_plain_decoding_and_stop_on_nan(random_target, near_draft, library,
-                                                                            monkeypatch):
-    """Where `auto` steps plainly, the lone request's plain steps run through plain decoding's loop: the answer is
-    the library's alone; logits gone NaN fail the request with the one NaN line, before a broken token goes out."""
+def test_plain_steps_chosen_by_auto_are_batched_steps_and_stop_on_nan(random_target, near_draft, library,
+                                                                     monkeypatch):
+    """Where `auto` steps plainly, a request that may draft takes the batch's plain [n, 1] steps: the answer is the
+    library's alone, one token per target forward; logits gone NaN in such a step fail the request with the one
+    NaN line, before a broken token goes out."""
     import speculate
     monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: None)
     running = Running(random_target, "--max_batch_size", 2, "--draft_checkpoint_path", near_draft,
@@ -905,20 +907,14 @@ def test_a_lone_requests_plain_steps_run_as_plain_decoding_and_stop_on_nan(rando
     try:
         reply = long_chat_answer(running, library, 40)
         assert reply["fastgen"]["tokens_per_target_forward"] == 1.0
-        model = running.scheduler.engine.model
-        # NaN in plain decoding's steps only (the prefill and batched decoding stay finite)
-        inside, plain = [False], running.scheduler.engine.decode_one_token
+        forward = running.scheduler.engine.forward
 
-        def poisoned(*args, **kwargs):
-            inside[0] = True
-            try:
-                return plain(*args, **kwargs)
-            finally:
-                inside[0] = False
-        running.scheduler.engine = dataclasses.replace(running.scheduler.engine, decode_one_token=poisoned)
-        model.layers[0].register_forward_hook(lambda _module, _inputs, out: out * float("nan") if inside[0] else out)
+        def poisoned(x, *args, **kwargs):  # NaN in decode steps only (the prefill stays finite)
+            logits = forward(x, *args, **kwargs)
+            return logits * float("nan") if x.shape[1] == 1 else logits
+        running.scheduler.engine = dataclasses.replace(running.scheduler.engine, forward=poisoned)
         status, reply = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0})
-        assert status == 500 and "logits for a generated token are NaN" in reply["error"]["message"]
+        assert status == 500 and "logits are NaN or infinite" in reply["error"]["message"]
     finally:
         running.stop()
 
@@ -1095,3 +1091,123 @@ def test_bench_serve_times_a_chats_last_turn_with_and_without_the_prefix_cache(r
     assert row["identical"] and row["turns"] == 3 and row["batch_size"] == 2
     assert 0 < row["last_cached_tokens"] < row["last_prompt_tokens"]
     assert row["speedup"] == pytest.approx(row["ttft_cold"] / row["ttft_cached"])
+
+
+# ----------------------------------------------------------------------------- speculation inside the batch
+
+def spec_scheduler(target, rows=4, **build):
+    """A Scheduler over `target` with a drafter (Generator.build's arguments), prefill chunks of 16."""
+    s = serve.Scheduler(generation.Generator.build(target, **build), rows, 64, 200)
+    s.chunk, s.widths = 16, [16]
+    return s
+
+
+def verified(scheduler) -> list:
+    """Spies on the scheduler's verification: a list that collects (request, drafted nodes, accepted nodes, batch)."""
+    seen, accept_row = [], serve.accept_row
+    forward, batch = scheduler.engine.forward, [0]
+
+    def forward_seen(x, *args, **kwargs):
+        batch[0] = x.shape[0]
+        return forward(x, *args, **kwargs)
+
+    def spy(r, tree, logits):
+        path, token = accept_row(r, tree, logits)
+        drafted = sum(parent != speculate.NO_PARENT for parent in tree.parents) - 1
+        seen.append((r, drafted, len(path or ()), batch[0]))
+        return path, token
+    scheduler.engine = dataclasses.replace(scheduler.engine, forward=forward_seen)
+    serve.accept_row = spy  # restored by the caller (monkeypatch)
+    return seen
+
+
+def joining_and_leaving(library) -> dict:
+    """Greedy requests that arrive while others speculate and leave at different lengths; later ones reuse earlier
+    prompts (the prefix cache); one prompt spans several chunks; a seeded sampled one rides along."""
+    ids = [library.tokenizer.encode_prompt(p) for p in PROMPTS]
+    greedy = Sampling()
+    return {0: [serve.Request(ids[0], 40, greedy)], 2: [serve.Request(ids[4], 30, greedy)],
+            3: [serve.Request(ids[1], 10, greedy), serve.Request(ids[2], 50, greedy)],
+            7: [serve.Request(ids[3], 25, greedy), serve.Request(ids[0] + ids[1][1:], 20, greedy),
+                serve.Request(ids[3], 20, Sampling(0.9, top_k=50), seed=7)],
+            12: [serve.Request(ids[4] + ids[2][1:], 24, greedy), serve.Request(ids[0], 33, greedy)]}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft", "draft tree", "draft auto"])
+def test_rows_speculate_together_and_every_greedy_answer_is_the_librarys(random_target, near_draft, library, drafter,
+                                                                        monkeypatch):
+    """Requests join and leave while the batch speculates (n-gram lookups, a draft model's chains or trees, `auto`),
+    reuse cached prefixes and move between rows: every greedy answer is the library's alone, token for token;
+    drafts were verified for several rows in one forward and accepted; a seeded sampled request, which verifies its
+    root alone, draws what it draws alone."""
+    build = {"ngram": dict(speculation=generation.Speculation(4, None, 3)),
+             "draft": dict(draft_checkpoint_path=near_draft, speculation=generation.Speculation(3)),
+             "draft tree": dict(draft_checkpoint_path=near_draft, speculation=generation.Speculation(3, 8)),
+             "draft auto": dict(draft_checkpoint_path=near_draft, speculation=generation.Speculation("auto"))}[drafter]
+    monkeypatch.setattr(serve, "accept_row", serve.accept_row)
+    scheduler = spec_scheduler(random_target, **build)
+    seeded = joining_and_leaving(library)[7][2]
+    drive(scheduler, {0: [seeded]})  # alone
+    seen = verified(scheduler)
+    arrivals = joining_and_leaving(library)
+    drive(scheduler, arrivals)
+    everyone = [r for rs in arrivals.values() for r in rs]
+    for r in everyone:
+        if r.seed is None:
+            assert r.tokens == alone(library, r.prompt_ids, r.max_tokens)[0], r.prompt_ids
+    assert arrivals[7][2].tokens == seeded.tokens
+    assert sum(r.cached_tokens > 0 for r in everyone) >= 2
+    together = [(drafted, accepted) for r, drafted, accepted, batch in seen if drafted and batch > 1]
+    assert together and sum(accepted for _, accepted in together) > 0
+    assert not any(drafted for r, drafted, _, _ in seen if r.seed is not None)
+    assert scheduler.metrics.spec_tokens > scheduler.metrics.spec_forwards
+
+
+def test_a_draft_of_the_target_itself_accepts_every_draft_wherever_its_row_moved(random_target, library,
+                                                                                 monkeypatch):
+    """With the target as its own draft, every drafted token is accepted only if the draft's cache rows hold the
+    keys of the same ids as the target's: through prefill, prefix-cache copies, the moves to row 0 and down, and
+    rows that idle beside drafting ones. A scheduler that leaves the draft's rows behind when rows swap is caught."""
+    monkeypatch.setattr(serve, "accept_row", serve.accept_row)
+    for broken in (False, True):
+        if broken:
+            swap = serve.swap_rows
+            monkeypatch.setattr(serve, "swap_rows", lambda model, *args: swap(model, *args)
+                                if model is scheduler.model else None)
+        scheduler = spec_scheduler(random_target, draft_checkpoint_path=random_target,
+                                   speculation=generation.Speculation(3))
+        seen = verified(scheduler)
+        for _ in range(2):  # the second time, prompts are cached
+            arrivals = joining_and_leaving(library)
+            drive(scheduler, arrivals)
+            for r in [r for rs in arrivals.values() for r in rs if r.seed is None]:
+                assert r.tokens == alone(library, r.prompt_ids, r.max_tokens)[0]
+        rejected = [(drafted, accepted) for _, drafted, accepted, _ in seen if accepted < drafted]
+        assert len(seen) > 50 and bool(rejected) == broken, rejected
+
+
+def test_nan_in_a_verification_fails_only_its_row(random_target, near_draft, library):
+    """Logits gone NaN in one row of a verification forward end that row's request with an error; the rows beside
+    it speculate on and answer as the library does alone."""
+    scheduler = spec_scheduler(random_target, draft_checkpoint_path=near_draft, speculation=generation.Speculation(3))
+    forward, victim = scheduler.engine.forward, []
+
+    def poisoned(x, *args, **kwargs):
+        logits = forward(x, *args, **kwargs)
+        if x.shape[1] > 1 and x.shape[0] > 1 and not victim and scheduler.rows[1] is not None:
+            victim.append(scheduler.rows[1])
+            logits[1] = float("nan")
+        return logits
+    scheduler.engine = dataclasses.replace(scheduler.engine, forward=poisoned)
+    ids = [library.tokenizer.encode_prompt(p) for p in PROMPTS[:3]]
+    requests = [serve.Request(p, 30, Sampling()) for p in ids]
+    for r in requests:
+        scheduler.submit(r)
+    while any(r.finish_reason is None and r.error is None for r in requests):
+        with scheduler.wake:
+            scheduler.admit()
+        scheduler.step()
+    assert len(victim) == 1 and victim[0].error is not None and "NaN" in victim[0].error.message
+    for r in requests:
+        if r is not victim[0]:
+            assert r.error is None and r.tokens == alone(library, r.prompt_ids, 30)[0]
