@@ -20,9 +20,10 @@ import torch
 import generation
 import serve
 import speculate
-from decode import Sampling
-from helpers import ROOT, copy_checkpoint, write_checkpoint
+from decode import Sampling, logits_to_probs
+from helpers import REJECT_BELOW, ROOT, chi_square_pvalue, copy_checkpoint, write_checkpoint
 from test_crossdraft import noisy_draft  # noqa: F401 (a fixture)
+from test_speculative import residual_ignores_draft
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -1211,3 +1212,99 @@ def test_nan_in_a_verification_fails_only_its_row(random_target, near_draft, lib
     for r in requests:
         if r is not victim[0]:
             assert r.error is None and r.tokens == alone(library, r.prompt_ids, 30)[0]
+
+
+def batch_draws(target, draft, rows: list, rounds: int) -> list:
+    """Draws of the two tokens after prompt + [FIRST_TOKEN] for each of `rows` (prompt ids, Sampling, seeded), all
+    in one batch of speculating rows (a draft model's depth-2 chains), `rounds` times: [(t2, t3)] per row. The
+    prompts are prefilled once; each round puts fresh requests, their first token given, on the rows they hold.
+    Also returns the speculative (tokens, target forwards) of the rows that drafted."""
+    scheduler = spec_scheduler(target, len(rows), draft_checkpoint_path=draft, speculation=generation.Speculation(2))
+    scheduler.eos = set()  # every answer is 3 tokens long
+    first = [serve.Request(list(p), 1, Sampling()) for p, _, _ in rows]
+    drive(scheduler, {0: first})
+    drawn = [[] for _ in rows]
+    torch.manual_seed(0)
+    for k in range(rounds):
+        requests, free = [], set(range(len(rows)))
+        for prompt, sampling, seeded in rows:  # a row whose entry starts with the prompt (rows move as they end)
+            slot = next(i for i in sorted(free) if scheduler.kept[i][:len(prompt)] == list(prompt))
+            free.remove(slot)
+            r = serve.Request(list(prompt), 3, sampling, seed=k if seeded else None)
+            r.prefilled, r.tokens, r.slot = len(prompt), [FIRST_TOKEN], slot
+            scheduler.rows[slot], scheduler.kept[slot] = r, None
+            requests.append(r)
+        while any(r.finish_reason is None and r.error is None for r in requests):
+            scheduler.step()
+        assert all(r.error is None for r in requests)
+        for out, r in zip(drawn, requests):
+            out.append(r.tokens[1:])
+    return drawn, (scheduler.metrics.spec_tokens, scheduler.metrics.spec_forwards)
+
+
+FIRST_TOKEN = 100
+ROUNDS = 200
+T1_K4, T07_K3 = Sampling(1.0, top_k=4), Sampling(0.7, top_k=3)
+
+
+def exact_pairs(model, prompt: list, sampling: Sampling) -> torch.Tensor:
+    """The target's p(t2, t3) after prompt + [FIRST_TOKEN], [V * V], by enumeration over t2's support."""
+    def probs(context):
+        model.setup_caches(1, 64)
+        with torch.no_grad():
+            logits = model(torch.tensor([context]), torch.arange(len(context)).view(1, -1))[0, -1]
+        return logits_to_probs(logits, sampling).double()
+    context = list(prompt) + [FIRST_TOKEN]
+    p2 = probs(context)
+    joint = torch.zeros(len(p2), len(p2), dtype=torch.double)
+    for t2 in p2.nonzero().flatten().tolist():
+        joint[t2] = p2[t2] * probs(context + [t2])
+    return joint.flatten()
+
+
+def same_settings_everywhere(r, tree, logits, accept_row=serve.accept_row):
+    """Broken: every sampled row verified with the first row's settings, not its own."""
+    return accept_row(dataclasses.replace(r, sampling=T1_K4) if r.sampling.temperature else r, tree, logits)
+
+
+SLOW_CASES = ("one setting: the draft samples", "broken: rows verified with one row's settings")  # 4 s each
+BATCH_LOSSLESS = {  # name: (the rows' settings are all the same, what to break or None)
+    "one setting: the draft samples": (True, None),
+    "mixed settings: greedy drafts": (False, None),
+    "broken: residual ignores the draft": (False, ("speculate", "residual", residual_ignores_draft)),
+    "broken: rows verified with one row's settings": (False, ("serve", "accept_row", same_settings_everywhere)),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case
+                                  for case in BATCH_LOSSLESS])
+def test_sampled_rows_speculating_in_a_batch_are_target_distributed(random_target, near_draft, library, case,
+                                                                   monkeypatch):
+    """Sampled rows in one batch, at two positions (two prompts), with their own settings (two samplings, a greedy
+    row and a seeded one beside them), speculate together; each group's (t2, t3) draws pass a chi-square test
+    against the target's distribution computed by enumeration, and deliberately broken verifications fail it
+    (REJECT_BELOW as in test_speculative.py). With one setting the draft samples with it (its proposals reach the
+    verifier); with several it drafts greedily (point masses)."""
+    same, breakage = BATCH_LOSSLESS[case]
+    if breakage is not None:
+        module, name, broken = breakage
+        monkeypatch.setattr(speculate if module == "speculate" else serve, name, broken)
+    a, b = (library.tokenizer.encode_prompt(p) for p in ("def main(", "Hello, my name is"))
+    if same:
+        rows = [(a, T1_K4, False)] * 3 + [(b, T1_K4, False)] * 3
+    else:
+        rows = [(a, T1_K4, False)] * 2 + [(a, T1_K4, True), (b, T07_K3, False), (b, T07_K3, False),
+                                          (a, Sampling(), False), (b, T07_K3, True), (b, Sampling(), False)]
+    drawn, (tokens, forwards) = batch_draws(random_target, near_draft, rows, ROUNDS)
+    model = generation.load_model(random_target)
+    pvalues = {}
+    for prompt, sampling in {(tuple(p), (s.temperature, s.top_k)): (p, s) for p, s, _ in rows
+                             if s.temperature > 0}.values():
+        pairs = torch.tensor([d for (p, s, _), got in zip(rows, drawn) if p == prompt and s == sampling for d in got])
+        vocab = model.args.vocab_size
+        counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab)
+        pvalues[(len(prompt), sampling.temperature)] = chi_square_pvalue(counts, exact_pairs(model, prompt, sampling))
+    greedy = [got for (p, s, _), got in zip(rows, drawn) if s.temperature == 0]
+    assert all(len(set(map(tuple, got))) == 1 for got in greedy)  # a greedy row beside them: always the same
+    assert (min(pvalues.values()) < REJECT_BELOW) == (breakage is not None), pvalues
+    assert 1.2 < tokens / forwards < 2.8  # drafts accepted and rejected (depth 2: at most 3 tokens a forward)
