@@ -1,4 +1,4 @@
-"""An OpenAI-compatible server over generation.py: continuous batching, speculative decoding for a lone request, a
+"""An OpenAI-compatible server over generation.py: continuous batching, speculative decoding inside the batch, a
 chat page. docs/serve.md explains the design.
 
     python serve.py --checkpoint_path checkpoints/tiny/target/model.pth --max_batch_size 8
@@ -10,8 +10,11 @@ next prompt chunk of one prefilling request, alone on cache row 0 ([1, width]), 
 first n cache rows, where the decoding rows lie (n: the smallest of DECODE_BATCHES holding them), each feeding its
 current token. Padding and idle rows write only a scratch cache slot past every real position, which no real query
 sees, and see only one slot themselves. Each row's token is drawn from its own logits with its own settings
-and torch.Generator. A request alone in the batch (with a drafter configured) decodes through the library's
-speculative loop instead (Scheduler.speculate). A cache row keeps the keys and values of its last request when it
+and torch.Generator (accept_row). With a drafter (n-gram lookups, a draft model) a decode step may instead be
+speculative (Scheduler.speculative_step): every drafting row drafts a token tree, one [n, N + 1] target forward
+verifies all rows' trees, and each row accepts its own path (accept_row again); `auto` decides per step and batch
+size whether drafting pays. A draft head or a draft of another tokenizer speculates for a request alone, through the
+library's loop (Scheduler.speculate). A cache row keeps the keys and values of its last request when it
 ends (its prompt and answer): a newcomer whose prompt starts with some row's ids starts its prefill after them
 (the prefix cache, Scheduler.place).
 """
@@ -316,7 +319,7 @@ class Metrics:
             lines.append(f'fastgen_time_to_first_token_seconds_bucket{{le="{bound}"}} {cumulative}')
         lines += [f"fastgen_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
                   f"fastgen_time_to_first_token_seconds_count {cumulative}",
-                  "# HELP fastgen_speculative_tokens_total tokens made by speculative steps (a lone request)",
+                  "# HELP fastgen_speculative_tokens_total tokens of the target forwards of requests that may draft",
                   "# TYPE fastgen_speculative_tokens_total counter",
                   f"fastgen_speculative_tokens_total {self.spec_tokens}",
                   "# TYPE fastgen_speculative_target_forwards_total counter",

@@ -24,7 +24,17 @@ so far and a new user message, sized so that the last turn's prompt holds about 
 server with the prefix cache and once on one started with --no_prefix_cache. Reported per B: the last turn's
 prompt and cached tokens, its time to first token (request sent -> first text) both ways and their ratio, and
 whether every answer was the same both ways.
+
+    python scripts/bench_serve.py --checkpoint_path M/model.pth --versus_plain --batch_sizes 4 --clients 4 \
+        --workload copy -- --compile --draft_ngram 3 --speculate_k auto
+
+--versus_plain: per B, the same closed-loop greedy load on a server with the drafter flags given after -- and on one
+with them taken out (plain batching): both aggregate tokens/s and their ratio, the mean tokens per target forward of
+the speculative answers, and whether every answer was the same both ways (each prompt's answer, whoever asked it).
+Clients default to B there (one row each). --workload copy sends prompts whose answers repeat text already in them
+(code with repeated structure, lists, records: what n-gram lookups draft well); `mixed` (default) is PROMPTS.
 """
+import collections
 import contextlib
 import argparse
 import http.client
@@ -45,6 +55,18 @@ from errors import run_cli, write_atomically  # noqa: E402
 PROMPTS = ["Write a short story about a robot learning to paint.", "def fibonacci(n):",
            "Explain how a key-value cache speeds up decoding.", "The three most important ideas in physics are",
            "Translate to French: the weather is nice today.", "List five uses of a paperclip:"]
+# copy-heavy prompts: their continuations repeat what the prompt already holds
+COPY_PROMPTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef subtract(a, b):\n    return a - b\n\n\ndef multiply(a, b):\n",
+    "Fruits: apple, banana, cherry, date, elderberry, fig, grape.\nThe same fruits again: apple, banana,",
+    '{"name": "Alice", "age": 30, "city": "Paris"}\n{"name": "Bob", "age": 25, "city": "Paris"}\n{"name": "Carol",',
+    "1. Open the file.\n2. Read the header.\n3. Check the header.\n4. Read the rows.\n5. Check the rows.\n6.",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
+    "SELECT id, name FROM users WHERE age > 30;\nSELECT id, name FROM users WHERE age > 40;\nSELECT id, name FROM",
+]
+WORKLOADS = {"mixed": PROMPTS, "copy": COPY_PROMPTS}
+# serve.py's drafter flags (each with its value): --versus_plain takes them out for the plain server
+DRAFTER_FLAGS = ("--draft_checkpoint_path", "--draft_head", "--speculate_k", "--tree_nodes", "--draft_ngram")
 MAX_CLIENTS, MAX_SECONDS = 64, 600
 # the chat workload's user messages are drawn from these words (a fixed text: both runs send the same messages)
 FILLER = ("the parser reads each option and its value then checks the value against the type the option declares "
@@ -100,15 +122,17 @@ def chunks(response):
 def one_request(port: int, prompt: str, max_tokens: int) -> dict:
     """One streaming completion: its send time, the arrival times of its text chunks, its completion tokens."""
     connection, response, sent = stream(port, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens}, 120)
-    arrivals, tokens, figures = [], 0, {}
+    arrivals, tokens, figures, text = [], 0, {}, ""
     for chunk in chunks(response):
         figures = chunk.get("fastgen") or figures
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
         elif chunk.get("choices") and chunk["choices"][0]["text"]:
             arrivals.append(time.perf_counter())
+            text += chunk["choices"][0]["text"]
     connection.close()
-    return {"sent": sent, "arrivals": arrivals, "tokens": tokens, "ended": time.perf_counter(), "fastgen": figures}
+    return {"sent": sent, "arrivals": arrivals, "tokens": tokens, "ended": time.perf_counter(), "fastgen": figures,
+            "prompt": prompt, "text": text}
 
 
 def load(port: int, clients: int, seconds: float, max_tokens: int, prompts: list = PROMPTS) -> dict:
@@ -140,7 +164,7 @@ def load(port: int, clients: int, seconds: float, max_tokens: int, prompts: list
 
     return {"clients": clients, "requests": len(done), "tokens_per_sec": sum(r["tokens"] for r in inside) / seconds,
             "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95), "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95),
-            "answers": inside}
+            "answers": inside, "all_answers": done}
 
 
 @contextlib.contextmanager
@@ -231,6 +255,59 @@ def report_chat(args, extra: list, rows: list):
         write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
 
 
+def without_drafter(flags: list) -> list:
+    """serve.py flags with the drafter's taken out (each with its value, or as --flag=value)."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in DRAFTER_FLAGS:
+            skip = True
+        elif not flag.startswith(tuple(f + "=" for f in DRAFTER_FLAGS)):
+            out.append(flag)
+    return out
+
+
+def versus_plain(args, extra: list, prompts: list) -> list:
+    """Per B, the closed-loop greedy load on a server with the drafter and on one without: tokens/s both ways."""
+    rows = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        clients = min(args.clients or batch, MAX_CLIENTS)
+        runs = {}
+        for name, flags in (("plain", without_drafter(extra)), ("speculative", extra)):
+            with serving(args.checkpoint_path, batch, flags) as port:
+                runs[name] = load(port, clients, args.seconds, args.max_tokens, prompts)
+        answers = collections.defaultdict(set)  # each prompt's answers, both ways (greedy: one each)
+        for run in runs.values():
+            for answer in run["all_answers"]:
+                answers[answer["prompt"]].add(answer["text"])
+        per_forward = [a["fastgen"]["tokens_per_target_forward"] for a in runs["speculative"]["answers"]
+                       if a["fastgen"].get("tokens_per_target_forward")]
+        plain, fast = runs["plain"]["tokens_per_sec"], runs["speculative"]["tokens_per_sec"]
+        rows.append({"batch_size": batch, "clients": clients, "plain_tokens_per_sec": plain,
+                     "speculative_tokens_per_sec": fast, "ratio": fast / plain if plain else None,
+                     "tokens_per_target_forward": statistics.mean(per_forward) if per_forward else None,
+                     "requests": {name: run["requests"] for name, run in runs.items()},
+                     "identical": all(len(texts) == 1 for texts in answers.values())})
+    return rows
+
+
+def report_versus_plain(args, extra: list, rows: list):
+    value = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+    print(f"speculative: {' '.join(extra)}; plain: {' '.join(without_drafter(extra)) or 'no flags'}; "
+          f"workload {args.workload}")
+    print(f"{'B':>3} {'clients':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'tok/fwd':>7} answers")
+    for r in rows:
+        print(f"{r['batch_size']:>3} {r['clients']:>7} {r['plain_tokens_per_sec']:>11.1f} "
+              f"{r['speculative_tokens_per_sec']:>10.1f} {value(r['ratio'], '.3f'):>6} "
+              f"{value(r['tokens_per_target_forward'], '.2f'):>7} {'identical' if r['identical'] else 'DIFFERENT'}")
+    if args.json:
+        result = {"checkpoint": str(args.checkpoint_path), "seconds": args.seconds, "max_tokens": args.max_tokens,
+                  "workload": args.workload, "server_flags": extra, "plain_flags": without_drafter(extra),
+                  "rows": rows}
+        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
+
+
 def generate_flags(server_flags: list) -> list:
     """The serve.py flags generate.py shares (--compile [MODE], --device, --precision), as generate.py takes them."""
     shared = argparse.ArgumentParser(add_help=False)
@@ -286,6 +363,10 @@ def main(argv=None):
                         "token both ways")
     p.add_argument("--chat_history", type=int, default=1500, metavar="TOKENS",
                    help="about how many tokens the chat's last prompt holds (--chat_turns)")
+    p.add_argument("--versus_plain", action="store_true",
+                   help="each B with the drafter flags given after -- and without them (plain batching)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed",
+                   help="the clients' prompts: mixed, or copy (answers that repeat the prompt's text)")
     p.add_argument("server_flags", nargs=argparse.REMAINDER, help="after --: more serve.py flags (--compile ...)")
     args = p.parse_args(argv)
     if not 0 < args.seconds <= MAX_SECONDS or (args.clients is not None and not 0 < args.clients <= MAX_CLIENTS):
@@ -296,6 +377,13 @@ def main(argv=None):
             raise SystemExit("error: --chat_turns (>= 2) runs one client, alone: leave out --versus_generate and "
                              "--clients, and give --chat_history >= 1")
         report_chat(args, extra, chat_turns(args, extra))
+        return
+    prompts = WORKLOADS[args.workload]
+    if args.versus_plain:
+        if args.versus_generate or without_drafter(extra) == extra:
+            raise SystemExit("error: --versus_plain compares a drafter with plain batching: give the drafter's flags "
+                             "after -- (--draft_ngram N, --draft_checkpoint_path ...), and leave out --versus_generate")
+        report_versus_plain(args, extra, versus_plain(args, extra, prompts))
         return
     plain = None
     if args.versus_generate:
@@ -310,8 +398,8 @@ def main(argv=None):
                 rows.append(dict(lone_client(answers, plain), batch_size=batch))
                 continue
             clients = min(args.clients or 2 * batch, MAX_CLIENTS)
-            row = load(port, clients, args.seconds, args.max_tokens)
-            del row["answers"]
+            row = load(port, clients, args.seconds, args.max_tokens, prompts)
+            del row["answers"], row["all_answers"]
             rows.append(dict(row, batch_size=batch))
     if plain is not None:
         report_versus_generate(args, extra, plain, rows)

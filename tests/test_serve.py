@@ -1094,6 +1094,25 @@ def test_bench_serve_times_a_chats_last_turn_with_and_without_the_prefix_cache(r
     assert row["speedup"] == pytest.approx(row["ttft_cold"] / row["ttft_cached"])
 
 
+@pytest.mark.slow
+def test_bench_serve_compares_speculative_with_plain_batching(random_target, tmp_path):
+    """scripts/bench_serve.py --versus_plain: the same greedy load on a server with n-gram drafting and on one
+    without; both tokens/s and their ratio, and every answer the same both ways (greedy)."""
+    out = tmp_path / "plain.json"
+    done = subprocess.run([sys.executable, "scripts/bench_serve.py", "--checkpoint_path", str(random_target),
+                           "--versus_plain", "--batch_sizes", "2", "--seconds", "3", "--max_tokens", "12",
+                           "--workload", "copy", "--json", str(out), "--", "--draft_ngram", "3", "--speculate_k", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "spec tok/s" in done.stdout and "identical" in done.stdout
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert result["plain_flags"] == [] and result["server_flags"] == ["--draft_ngram", "3", "--speculate_k", "4"]
+    assert row["identical"] and row["clients"] == 2 and min(row["requests"].values()) >= 2
+    assert row["ratio"] == pytest.approx(row["speculative_tokens_per_sec"] / row["plain_tokens_per_sec"])
+    assert row["tokens_per_target_forward"] >= 1.0
+
+
 # ----------------------------------------------------------------------------- speculation inside the batch
 
 def spec_scheduler(target, rows=4, **build):
