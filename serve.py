@@ -484,6 +484,8 @@ class Scheduler:
         self.rows[r.slot] = None
         if r.lookup is not None and outcome != "error":  # later requests' n-gram lookups draw on its answer too
             self.drafter.lookup.finish(r.tokens)
+        if 1 in self.autos:
+            self.autos[1].finished()  # kept for the next run (at most every StoredCosts.SAVE_EVERY seconds)
         self.metrics.active = sum(r is not None for r in self.rows)
         r.finished_at = time.perf_counter()  # last: warm_up waits for it
         self.metrics.outcomes[outcome] += 1
@@ -745,14 +747,16 @@ class Scheduler:
 
     def auto(self, size: int) -> Optional[AutoChoice]:
         """`auto`'s choice at decode batch `size` (None without `auto`): one AutoChoice per batch size, since a
-        verification's and a draft's seconds depend on it. Batch 1 starts from the timings an earlier run stored."""
+        verification's and a draft's seconds depend on it. Batch 1 starts from the timings an earlier run stored,
+        and keeps its own."""
         library = getattr(self.generator.speculator, "auto", None)
         if library is None or self.drafter is None:
             return None
         if size not in self.autos:
             self.autos[size] = AutoChoice(library.arms)
-            if size == 1:
+            if size == 1:  # a lone request's timings, as generate.py's runs keep them (speculate.StoredCosts)
                 self.autos[size].seed(library.costs())
+                self.autos[size].store = library.store
         return self.autos[size]
 
     def arm(self, live: list, size: int) -> Optional[tuple]:
