@@ -361,8 +361,8 @@ class Yield(Exception):
 
 class Scheduler:
     """A fixed batch of `max_batch_size` rows over one model; requests join at step boundaries and leave when done.
-    Shapes come from a fixed set ([n, 1] decode for n in decode_batches, [1, w] prefill for w in PREFILL_WIDTHS, the
-    speculative loop's own), so compiled graphs are built once, by warm_up()."""
+    Shapes come from a fixed set ([n, 1] decode and [n, N + 1] verification for n in decode_batches, [1, w] prefill
+    for w in PREFILL_WIDTHS, the drafter's own), so compiled graphs are built once, by warm_up()."""
 
     def __init__(self, generator: Generator, max_batch_size: int, max_queue: int, max_seq_length: int,
                  prefix_cache: bool = True):
@@ -791,6 +791,9 @@ class Scheduler:
         if not self.warming and all(len(trees[r.slot].tokens) == 1 for r in drafting):
             return self.plain_step(live, size)  # nothing drafted (no n-gram matched): a plain step costs less
         drafted = time.perf_counter()
+        # a draft model reading the tokens of plain steps before pays for switching, not for this arm (as the
+        # library's loop prices it: speculate.Speculator.speculative_step)
+        started = max(started, getattr(self.drafter, "caught_up", 0.0))
         pos = [r.position if self.decoding(r) else 0 for r in self.rows[:size]]
         logits = self.verify_trees(trees, pos, arm[1] + 1)  # [size, N + 1, V]
         results = {r.slot: accept_row(r, trees[r.slot], logits[r.slot]) for r in live}
