@@ -181,6 +181,9 @@ class Grammars:
         return compiled
 
 
+DEAD_END = "the grammar allows no token here (a dead end): the answer ends before it is complete"
+
+
 class Constraint:
     """One row's grammar state: which tokens may come next, advanced by each token the row takes."""
 
@@ -205,7 +208,7 @@ class Constraint:
             return self.bitmask
         self.matcher.fill_next_token_bitmask(self.bitmask)
         if not bool(self.bitmask.any()):
-            self.note = "the grammar allows no token here (a dead end): the answer ends before it is complete"
+            self.note = DEAD_END
         return self.bitmask
 
     def mask(self, logits: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible server over generation.py: continuous batching, speculative decoding for a lone request, a
+"""An OpenAI-compatible server over generation.py: continuous batching, speculative decoding inside the batch, a
 chat page. docs/serve.md explains the design.
 
     python serve.py --checkpoint_path checkpoints/tiny/target/model.pth --max_batch_size 8
@@ -10,8 +10,11 @@ next prompt chunk of one prefilling request, alone on cache row 0 ([1, width]), 
 first n cache rows, where the decoding rows lie (n: the smallest of DECODE_BATCHES holding them), each feeding its
 current token. Padding and idle rows write only a scratch cache slot past every real position, which no real query
 sees, and see only one slot themselves. Each row's token is drawn from its own logits with its own settings
-and torch.Generator. A request alone in the batch (with a drafter configured) decodes through the library's
-speculative loop instead (Scheduler.speculate). A cache row keeps the keys and values of its last request when it
+and torch.Generator (accept_row). With a drafter (n-gram lookups, a draft model) a decode step may instead be
+speculative (Scheduler.speculative_step): every drafting row drafts a token tree, one [n, N + 1] target forward
+verifies all rows' trees, and each row accepts its own path (accept_row again); `auto` decides per step and batch
+size whether drafting pays. A draft head or a draft of another tokenizer speculates for a request alone, through the
+library's loop (Scheduler.speculate). A cache row keeps the keys and values of its last request when it
 ends (its prompt and answer): a newcomer whose prompt starts with some row's ids starts its prefill after them
 (the prefix cache, Scheduler.place). Under torchrun (tensor parallelism) rank 0 serves and every other rank runs rank
 0's engine calls on its shard of the model (tp.Lockstep, main).
@@ -44,9 +47,12 @@ import torch  # noqa: E402
 
 from compilation import COMPILE_MODES  # noqa: E402
 from decode import PRECISIONS, Sampling, chosen_is_finite, logits_to_probs, sdpa_context  # noqa: E402
+from decode import move_cache_slots  # noqa: E402
+from draftmodel import ModelDrafter  # noqa: E402
 from generation import FiniteWatch, Generator, Speculation, setup_distributed  # noqa: E402
-from speculate import Speculator  # noqa: E402
-from grammar import Constraint, SchemaError, check_schema  # noqa: E402
+from grammar import DEAD_END, Constraint, SchemaError, apply_bitmask, check_schema  # noqa: E402
+from speculate import NO_PARENT, AutoChoice, NgramDrafter, Speculator, Tree, keep_paths, tree_inputs, verify, \
+    verify_greedy  # noqa: E402
 from tp import RanksFailed  # noqa: E402
 
 log = logging.getLogger("serve")
@@ -112,6 +118,7 @@ class Request:
     constraint: Optional[Constraint] = None  # the grammar its answer follows (response_format, tools)
     note: Optional[str] = None  # why the answer ended early (a grammar's dead end), in `fastgen`
     calls: bool = False  # the answer may be a tool call, parsed back into message.tool_calls
+    lookup: object = None  # its own n-gram table (speculate.Lookup), when the drafter looks tokens up
 
     def __post_init__(self):
         # each request draws from its own generator, so a seeded one samples the same alone or in any batch
@@ -255,6 +262,63 @@ def logprob_entry(scores: torch.Tensor, token: int, top: int, text_of) -> dict:
     return {key: out[key] for key in ("token", "logprob", "bytes", "top_logprobs")}
 
 
+def accept_row(r: Request, tree: Tree, logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> tuple:
+    """Request r's verdict on one step: (its accepted path, node indices of `tree` from the root down, and the next
+    token) from the target's logits at each node of the tree, [nodes, V]; (None, None) where the logits of a node
+    it reads are NaN or +inf (broken weights: argmax picks such a value, so the chosen logit tells). A plain step is
+    a tree of its root alone. Every token a request gets is decided here, plain or speculative.
+    Greedy: the longest path the target's argmax agrees with, then its argmax (speculate.verify_greedy: exactly
+    plain greedy decoding's tokens). Sampled: speculative sampling with r's own settings (speculate.verify, lossless
+    for any proposal; a deterministic child is a point mass); with nothing drafted, one draw from r's own generator,
+    as a plain step draws it, so a row that does not draft samples as it would alone.
+    bitmask: r's grammar's [m, words] at the tree's first m nodes (Constraint.prune): their logits masked first, on a
+    copy (the raw ones are the logprobs'); a node where the grammar allows nothing keeps its own (whatever it picks
+    there, the grammar refuses it and the answer ends: Scheduler.take)."""
+    logits = logits.float()
+    real = [i for i, parent in enumerate(tree.parents) if parent != NO_PARENT]
+    argmax = logits.argmax(-1)  # [nodes]
+    if not bool(chosen_is_finite(logits[real], argmax[real]).all()):
+        return None, None
+    if bitmask is not None:
+        alive = bitmask.any(-1).nonzero().flatten().tolist()
+        logits = logits.clone()
+        masked = logits[alive].contiguous()
+        apply_bitmask(masked, bitmask[alive], r.constraint.vocab_size)
+        logits[alive] = masked
+        argmax = logits.argmax(-1)
+    if r.sampling.temperature == 0:
+        return verify_greedy(tree, argmax.tolist())
+    if len(real) == 1:
+        return [], draw(logits_to_probs(logits[0], r.sampling), r.generator)
+    return verify(tree, logits_to_probs(logits, r.sampling))
+
+
+def broken_weights() -> ApiError:
+    return ApiError(500, "the model's logits are NaN or infinite: its weights are broken", kind="server_error")
+
+
+class NoLookup:
+    """The n-gram table of a cache row that does not draft: it finds nothing."""
+
+    @staticmethod
+    def trie(context: list, depth: int) -> dict:
+        return {}
+
+
+def copy_rows(move, source: int, target: int, n: int):
+    """Cache row `source`'s first n slots (keys and values of every layer) into row `target`, by `move` (an engine's
+    move_cache_slots, mirrored under tensor parallelism, or decode.move_cache_slots of a model)."""
+    if n:
+        move(list(range(n)), list(range(n)), [target] * n, [source] * n)
+
+
+def swap_rows(move, a: int, b: int, na: int, nb: int):
+    """Cache rows a and b trade their first na and nb slots, by `move` in one call (every read before any write)."""
+    slots = list(range(na)) + list(range(nb))
+    if slots:
+        move(slots, slots, [b] * na + [a] * nb, [a] * na + [b] * nb)
+
+
 def common_prefix(a: list, b: list) -> int:
     """How many leading ids a and b share."""
     n = min(len(a), len(b))
@@ -309,7 +373,7 @@ class Metrics:
             lines.append(f'fastgen_time_to_first_token_seconds_bucket{{le="{bound}"}} {cumulative}')
         lines += [f"fastgen_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
                   f"fastgen_time_to_first_token_seconds_count {cumulative}",
-                  "# HELP fastgen_speculative_tokens_total tokens made by speculative steps (a lone request)",
+                  "# HELP fastgen_speculative_tokens_total tokens of the target forwards of requests that may draft",
                   "# TYPE fastgen_speculative_tokens_total counter",
                   f"fastgen_speculative_tokens_total {self.spec_tokens}",
                   "# TYPE fastgen_speculative_target_forwards_total counter",
@@ -351,8 +415,8 @@ class Yield(Exception):
 
 class Scheduler:
     """A fixed batch of `max_batch_size` rows over one model; requests join at step boundaries and leave when done.
-    Shapes come from a fixed set ([n, 1] decode for n in decode_batches, [1, w] prefill for w in PREFILL_WIDTHS, the
-    speculative loop's own), so compiled graphs are built once, by warm_up()."""
+    Shapes come from a fixed set ([n, 1] decode and [n, N + 1] verification for n in decode_batches, [1, w] prefill
+    for w in PREFILL_WIDTHS, the drafter's own), so compiled graphs are built once, by warm_up()."""
 
     def __init__(self, generator: Generator, max_batch_size: int, max_queue: int, max_seq_length: int,
                  prefix_cache: bool = True):
@@ -364,6 +428,16 @@ class Scheduler:
         # the last slot is scratch: padding and idle rows write it; every real position is below it
         generator.reserve(max_batch_size, max_seq_length + 1, "lower --max_batch_size or --max_seq_length")
         self.scratch = self.model.max_seq_length - 1
+        # drafters that draft for every row of a batch: n-gram lookups, a draft model of the target's tokenizer (a
+        # draft head or a draft of another tokenizer speculates for a lone request, through Scheduler.speculate)
+        drafter = getattr(generator.speculator, "drafter", None)
+        self.drafter = drafter if isinstance(drafter, (NgramDrafter, ModelDrafter)) else None
+        self.draft_model = getattr(self.drafter, "draft_model", None)
+        if self.draft_model is not None:  # its cache rows are the target's: prefill, swaps and copies move both
+            self.draft_model.setup_caches(max_batch_size, self.model.max_seq_length)
+        self.draft_held = [0] * max_batch_size  # leading slots of each draft cache row holding its ids' draft keys
+        self.autos = {}  # decode batch -> its AutoChoice (`auto`: whether drafting pays at that batch size)
+        self.warming = False
         self.widths = sorted({min(w, max_seq_length) for w in PREFILL_WIDTHS})
         self.chunk = self.widths[-1]
         self.decode_batches = sorted({b for b in DECODE_BATCHES if b < max_batch_size} | {max_batch_size})
@@ -486,6 +560,10 @@ class Scheduler:
         keep = self.prefix_cache and outcome != "error"
         self.kept[r.slot], self.used[r.slot] = (self.entry(r.slot) or None) if keep else None, self.tick()
         self.rows[r.slot] = None
+        if r.lookup is not None and outcome != "error":  # later requests' n-gram lookups draw on its answer too
+            self.drafter.lookup.finish(r.tokens)
+        if 1 in self.autos:
+            self.autos[1].finished()  # kept for the next run (at most every StoredCosts.SAVE_EVERY seconds)
         self.metrics.active = sum(r is not None for r in self.rows)
         r.finished_at = time.perf_counter()  # last: warm_up waits for it
         self.metrics.outcomes[outcome] += 1
@@ -585,6 +663,8 @@ class Scheduler:
                       key=lambda i: (self.kept[i] is not None, self.used[i], i))
         if n and row != source:
             self.copy_cache(source, row, n)
+        elif row != source:
+            self.draft_held[row] = 0
         if source is not None:
             self.used[source] = self.tick()
         self.kept[row] = None  # r's now (its first n slots are r's prefix)
@@ -608,16 +688,24 @@ class Scheduler:
         """Drop every prefix-cache entry (after warm-up; after a failed step)."""
         with self.wake:
             self.kept = [None] * self.batch
+            self.draft_held = [0] * self.batch
 
     @torch.no_grad()
     def step(self):
-        """One prefill forward of one prompt chunk (if a row is prefilling), then one decode forward over all B rows
-        (if a row decodes)."""
+        """One prefill forward of one prompt chunk (if a row is prefilling), then one decode step over the first n
+        cache rows (if a row decodes): plain, [n, 1], or speculative, [n, N + 1] (self.arm decides)."""
         prefilling = [r for r in self.rows if r is not None and r.prefilled < len(r.prompt_ids)]
         if prefilling:
             self.prefill(min(prefilling, key=lambda r: (r.slot != 0, r.submitted)))
-        if any(r is not None and r.prefilled == len(r.prompt_ids) for r in self.rows):
-            self.decode()
+        if not any(self.decoding(r) for r in self.rows):
+            return
+        live, size = self.compact()
+        arm = self.arm(live, size)
+        if arm is None or self.warming:  # warm-up: both shapes at every batch size
+            self.plain_step(live, size)
+            live, size = self.compact()
+        if arm is not None and live:
+            self.speculative_step(live, size, arm)
 
     @staticmethod
     def decoding(r: Optional[Request]) -> bool:
@@ -639,9 +727,11 @@ class Scheduler:
         if a == b:
             return
         na, nb = self.held(a), self.held(b)
-        slots = list(range(na)) + list(range(nb))  # one call: every read happens before any write
-        if slots:
-            self.engine.move_cache_slots(slots, slots, [b] * na + [a] * nb, [a] * na + [b] * nb)
+        swap_rows(self.engine.move_cache_slots, a, b, na, nb)
+        if self.draft_model is not None:  # the draft's rows trade what they hold of the same ids
+            da, db = min(self.draft_held[a], na), min(self.draft_held[b], nb)
+            swap_rows(functools.partial(move_cache_slots, self.draft_model), a, b, da, db)
+            self.draft_held[a], self.draft_held[b] = db, da
         with self.wake:
             self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
             self.kept[a], self.kept[b] = self.kept[b], self.kept[a]
@@ -679,9 +769,13 @@ class Scheduler:
         return torch.where(query == self.scratch, slots == padding_sees, slots <= query)
 
     def copy_cache(self, source: int, target: int, n: int):
-        """Cache row `source`'s first n slots (keys and values of every layer) into row `target`."""
-        if n:
-            self.engine.move_cache_slots(list(range(n)), list(range(n)), [target] * n, [source] * n)
+        """Cache row `source`'s first n slots (keys and values of every layer) into row `target`; the draft model's
+        row too, as far as it holds them."""
+        copy_rows(self.engine.move_cache_slots, source, target, n)
+        if self.draft_model is not None:
+            held = min(n, self.draft_held[source])
+            copy_rows(functools.partial(move_cache_slots, self.draft_model), source, target, held)
+            self.draft_held[target] = held
 
     def prefill(self, r: Request):
         """The next chunk of r's prompt through a [1, chunk] forward on cache row 0: prefill computes only the row
@@ -706,6 +800,8 @@ class Scheduler:
         if r.scores_prompt:
             r.prompt_scores += self.score_prompt(r, logits[0], r.prefilled, len(piece))
         r.prefilled += len(piece)
+        if self.draft_model is not None:
+            self.draft_reads(r)
         if r.prefilled == len(r.prompt_ids):
             self.prompt_done(r, logits[0, len(piece) - 1])
 
@@ -722,11 +818,20 @@ class Scheduler:
         else:
             self.pick([(r, last)])
 
-    def decode(self):
-        """One [n, 1] forward over cache rows 0 .. n-1, where compact() put the decoding rows: each reads its current
-        token at its position; a prefilling or idle row among them writes only the scratch slot and sees only it.
-        Rows from n on are not computed at all. Then one token per decoding row, drawn with its own settings."""
-        live, size = self.compact()
+    def draft_reads(self, r: Request):
+        """The draft model reads r's prompt as far as the target has (cache row 0), so that its row is in step when
+        r drafts (from where its row holds r's ids: a prefix may have come with fewer of its draft keys)."""
+        start = min(self.draft_held[0], r.prefilled)
+        if start < r.prefilled:
+            x = torch.tensor([r.prompt_ids[start:r.prefilled]], device=self.device)
+            self.drafter.engine.write_cache(x, torch.arange(start, r.prefilled, device=self.device).view(1, -1))
+        self.draft_held[0] = r.prefilled
+
+    def decode(self, live: list, size: int):
+        """One [n, 1] forward over cache rows 0 .. n-1 (n = size), where compact() put the decoding rows (`live`):
+        each reads its current token at its position; a prefilling or idle row among them writes only the scratch
+        slot and sees only it. Rows from n on are not computed at all. Then one token per decoding row, drawn with
+        its own settings."""
         x = torch.zeros(size, 1, dtype=torch.long)
         pos = torch.full((size, 1), self.scratch, dtype=torch.long)
         for r in live:
@@ -736,29 +841,52 @@ class Scheduler:
             logits = self.engine.forward(x.to(self.device), pos, pos, self.mask(pos, self.scratch))  # [n, 1, V]
         self.metrics.steps += 1
         self.metrics.rows_stepped += len(live)
+        for r in live:  # a request that may draft: its plain steps count in its tokens per target forward
+            self.count_speculative(r, 1, 1)
         self.pick([(r, logits[r.slot, 0]) for r in live])
 
     def pick(self, rows: list):
-        """(request, its logits [V]) -> each request's next token: argmax, or drawn from its own generator; a
-        request with a grammar draws from its logits masked by it (grammar.py), and ends where it allows nothing."""
-        if not rows:
-            return
-        logits = torch.stack([row for _, row in rows]).float()  # [n, V]
-        dead = [r.constraint is not None and not r.constraint.mask(row) for (r, _), row in zip(rows, logits)]
-        argmax = logits.argmax(-1)
-        for (r, raw), row, best, ok, stuck in zip(rows, logits, argmax.tolist(),
-                                                  chosen_is_finite(logits, argmax).tolist(), dead):
-            if stuck:
-                self.end_early(r, r.constraint.note)
-                continue
-            if not ok:
-                self.fail(r, ApiError(500, "the model's logits are NaN or infinite: its weights are broken",
-                                      kind="server_error"))
-                continue
-            token = best if r.sampling.temperature == 0 else draw(logits_to_probs(row, r.sampling), r.generator)
-            if r.constraint is not None:
-                r.constraint.accept(token)
-            self.accept(r, token, raw)  # logprobs are the raw logits', not the masked ones
+        """(request, its logits [V]) -> each request's next token (take() on its root alone): argmax, or drawn
+        from its own generator; from the logits its grammar allows, if it has one."""
+        for r, logits in rows:
+            self.take(r, *self.constrain(r, Tree.rooted_at(r.tokens[-1] if r.tokens else r.prompt_ids[-1])),
+                      logits[None])
+
+    def constrain(self, r: Request, tree: Tree) -> tuple:
+        """(r's tree without the drafts its grammar forbids, the grammar's bitmask at its nodes: Constraint.prune);
+        (tree, None) for a request without a grammar."""
+        return r.constraint.prune(tree) if r.constraint is not None else (tree, None)
+
+    def take(self, r: Request, tree: Tree, bitmask: Optional[torch.Tensor], logits: torch.Tensor):
+        """r's verdict on its tree (verdict()) and its tokens handed on (hand_out())."""
+        verdict = self.verdict(r, tree, bitmask, logits)
+        if verdict is not None:
+            self.hand_out(r, tree, *verdict, logits)
+
+    def verdict(self, r: Request, tree: Tree, bitmask: Optional[torch.Tensor], logits: torch.Tensor):
+        """(accepted path, next token) of r's tree from the target's logits there [nodes, V] (accept_row), or None
+        where r ends instead: its grammar allows nothing at the root, or the logits are broken (r fails)."""
+        if bitmask is not None and not bool(bitmask[0].any()):  # the grammar allows nothing here: r ends
+            self.end_early(r, r.constraint.note or DEAD_END)
+            return None
+        path, token = accept_row(r, tree, logits, bitmask)
+        if token is None:
+            self.fail(r, broken_weights())
+            return None
+        return path, token
+
+    def hand_out(self, r: Request, tree: Tree, path: list, token: int, logits: torch.Tensor, counted: bool = False):
+        """The step's tokens to r in order, each first to its grammar (which ends the answer where it allows
+        nothing), then to r with the raw logits of the node that chose it (logprobs); `counted`: each counts in r's
+        speculative figures. Stops where r finishes."""
+        for node, t in zip([0] + path, [tree.tokens[node] for node in path] + [token]):
+            if r.constraint is not None and not r.constraint.accept(t):
+                self.end_early(r, r.constraint.note or DEAD_END)
+                return
+            if counted:
+                self.count_speculative(r, 0, 1)
+            if self.accept(r, t, logits[node]):
+                return
 
     def end_early(self, r: Request, note: str):
         """r ends with finish_reason "stop" before its next token (its grammar allows none), its text released."""
@@ -770,12 +898,174 @@ class Scheduler:
             return
         self.release(r, "stop")
 
+    def count_speculative(self, r: Request, forwards: int, tokens: int):
+        """Figures of a request that may draft (fastgen.tokens_per_target_forward, the speculative metrics): the
+        target forwards it took part in and the tokens they gave it, counted before the tokens go out."""
+        if self.drafts(r):
+            r.spec_forwards += forwards
+            r.spec_tokens += tokens
+            self.metrics.spec_forwards += forwards
+            self.metrics.spec_tokens += tokens
+
+    # --- speculation inside the batch (docs/serve.md, "Speculative decoding")
+
+    def drafts(self, r: Request) -> bool:
+        """Whether r's row drafts when the batch speculates: greedy (its output is the same either way) or sampled
+        without a seed (a seeded one keeps the per-row draws that make it reproducible: it verifies its root alone)."""
+        return self.drafter is not None and (r.sampling.temperature == 0 or r.seed is None)
+
+    def auto(self, size: int) -> Optional[AutoChoice]:
+        """`auto`'s choice at decode batch `size` (None without `auto`): one AutoChoice per batch size, since a
+        verification's and a draft's seconds depend on it. Batch 1 starts from the timings an earlier run stored,
+        and keeps its own."""
+        library = getattr(self.generator.speculator, "auto", None)
+        if library is None or self.drafter is None:
+            return None
+        if size not in self.autos:
+            self.autos[size] = AutoChoice(library.arms)
+            if size == 1:  # a lone request's timings, as generate.py's runs keep them (speculate.StoredCosts)
+                self.autos[size].seed(library.costs())
+                self.autos[size].store = library.store
+        return self.autos[size]
+
+    def arm(self, live: list, size: int) -> Optional[tuple]:
+        """What the next decode step drafts, (depth, tree size), or None for a plain batched step: no batch drafter,
+        no row that drafts, or `auto` (AutoChoice, from this server's timings of both kinds of step at this batch
+        size and the acceptance seen) finds that drafting does not pay. The choice looks only at the past: lossless."""
+        if self.drafter is None or not any(self.drafts(r) for r in live):
+            return None
+        auto = self.auto(size)
+        if auto is None or self.warming:
+            return self.drafter.depth, self.drafter.tree_nodes
+        if (size, 1) not in auto.measured(auto.verify_seconds):
+            return None  # plain steps first: the cost a draft must beat
+        return auto.choose(size)
+
+    def plain_step(self, live: list, size: int):
+        started = time.perf_counter()
+        self.decode(live, size)  # its tokens went to the host: the step is over on any device
+        auto = self.auto(size)
+        if auto is not None:
+            auto.observe(None, [], [], 0.0, time.perf_counter() - started, size)
+
+    def speculative_step(self, live: list, size: int, arm: tuple):
+        """Every drafting row drafts a tree (draft_trees), one [size, N + 1] target forward verifies all rows' trees
+        (verify_trees; a row that does not draft verifies its root alone: a plain step's token), each row accepts its
+        own path (accept_row), the accepted paths' keys and values move next to their roots (in the draft model's
+        cache too), and each row's tokens go to its request until it ends. Rejected nodes' slots lie past the row's
+        cached ones: later steps write them again."""
+        started = time.perf_counter()
+        trees, view = self.draft_trees(live, size, arm)
+        drafting = [r for r in live if self.drafts(r)]
+        masks = [None] * size
+        for r in live:  # drafts a grammar forbids cut; the target's logits at the kept nodes masked in accept_row
+            trees[r.slot], masks[r.slot] = self.constrain(r, trees[r.slot])
+            if view is not None and r in drafting:
+                view[0][r.slot] = trees[r.slot]  # the draft model is told of the tree verified
+        if not self.warming and all(len(trees[r.slot].tokens) == 1 for r in drafting):
+            return self.plain_step(live, size)  # nothing drafted (no n-gram matched): a plain step costs less
+        drafted = time.perf_counter()
+        # a draft model reading the tokens of plain steps before pays for switching, not for this arm (as the
+        # library's loop prices it: speculate.Speculator.speculative_step)
+        started = max(started, getattr(self.drafter, "caught_up", 0.0))
+        pos = [r.position if self.decoding(r) else 0 for r in self.rows[:size]]
+        logits = self.verify_trees(trees, pos, arm[1] + 1)  # [size, N + 1, V]
+        results = {r.slot: self.verdict(r, trees[r.slot], masks[r.slot], logits[r.slot]) for r in live}
+        paths = [(results.get(b) or (None, None))[0] for b in range(size)]
+        keep_paths(self.engine.move_cache_slots, paths, pos)
+        if view is not None:  # the draft model keeps the accepted nodes it read, and will read the rest
+            draft_trees, draft_pos = view
+            kept = [path if self.rows[b] is not None and self.drafts(self.rows[b]) else None
+                    for b, path in enumerate(paths)]
+            self.drafter.accepted(kept, draft_trees, draft_pos)
+            for b, path in enumerate(kept):
+                if path is not None:
+                    self.draft_held[b] = draft_pos[b] + 1 + len(path) - len(self.drafter.pending[b])
+        self.metrics.steps += 1
+        self.metrics.rows_stepped += len(live)
+        for r in live:
+            if results[r.slot] is not None:
+                self.count_speculative(r, 1, 0)
+                self.hand_out(r, trees[r.slot], *results[r.slot], logits[r.slot], counted=True)
+        auto = self.auto(size)
+        if auto is not None:
+            auto.observe(arm, [trees[r.slot] for r in drafting], [paths[r.slot] for r in drafting],
+                         drafted - started, time.perf_counter() - drafted, size)
+
+    def draft_trees(self, live: list, size: int, arm: tuple) -> tuple:
+        """Each decoding row's tree, rooted at its current token, per cache row 0 .. size-1 (None where no request
+        decodes): drafted (arm: depth, nodes) for the rows that draft, the root alone for the others; and, with a
+        draft model, (its trees, their root slots) for every row, which it is told about once verified. The draft
+        samples with the drafting rows' settings where they all share them, else greedily: deterministic children,
+        point masses to the verifier, lossless for every row's own settings."""
+        trees = [None] * size
+        for r in live:
+            trees[r.slot] = Tree.rooted_at(r.tokens[-1])
+        drafting = [r for r in live if self.drafts(r)]
+        settings = {(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in drafting}
+        sampling = drafting[0].sampling if len(settings) == 1 else Sampling(0.0)
+        if self.draft_model is not None:
+            made, view = self.model_drafts(size, arm, sampling)
+            for r in drafting:
+                trees[r.slot] = made[r.slot]
+            return trees, view
+        for r in drafting:  # n-gram lookups: host work, for the drafting rows alone, each with its own table
+            r.lookup = r.lookup or self.drafter.lookup.fresh()
+        self.drafter.lookups = [r.lookup for r in drafting]
+        made, _ = self.drafter.draft([r.tokens[-1] for r in drafting], [r.position for r in drafting], arm[0],
+                                     [r.prompt_ids + r.tokens for r in drafting], sampling, nodes=arm[1])
+        for r, tree in zip(drafting, made):
+            trees[r.slot] = tree
+        return trees, None
+
+    def model_drafts(self, size: int, arm: tuple, sampling: Sampling) -> tuple:
+        """The draft model's trees for cache rows 0 .. size-1, its forwards over the same rows of its own cache as
+        the target's. A drafting row first reads the tokens its draft row lacks (held up to draft_held). A row that
+        does not draft is fed token 0 just past what its draft row holds (the slot before it is written again with
+        the same token), so that what it holds stays. Returns the trees and (the trees, their root slots)."""
+        drafter = self.drafter
+        roots, pos, contexts, pending, lookups = [], [], [], [], []
+        for b in range(size):
+            r, held = self.rows[b], min(self.draft_held[b], self.held(b))
+            if self.decoding(r) and self.drafts(r):
+                context = r.prompt_ids + r.tokens
+                if drafter.lookup is not None:
+                    r.lookup = r.lookup or drafter.lookup.fresh()
+                roots.append(r.tokens[-1])
+                pending.append(context[held:r.position])
+                lookups.append(r.lookup)
+            else:
+                context = self.entry(b)[:held] + [0] if held else [0, 0]
+                roots.append(0)
+                pending.append([])
+                lookups.append(NoLookup)
+            contexts.append(context)
+            pos.append(len(context) - 1)
+        drafter.pending, drafter.lookups = pending, lookups
+        trees, _ = drafter.draft(roots, pos, arm[0], contexts, sampling, nodes=arm[1])
+        return trees, (trees, pos)
+
+    def verify_trees(self, trees: list, pos: list, width: int) -> torch.Tensor:
+        """The target's logits [size, width, V] at every node of each row's tree (padded to `width`; row b's node i
+        at slot pos[b] + i, seeing the row's cached slots and its ancestors: speculate.tree_inputs), in one forward.
+        A row with no tree (idle, or prefilling) writes only the scratch slot and sees only it, as in decode()."""
+        padded = [(tree if tree is not None else Tree.rooted_at(0)).pad_to(width) for tree in trees]
+        tokens, input_pos, slots, mask = tree_inputs(padded, pos, self.model.max_seq_length, "cpu")
+        for b, tree in enumerate(trees):
+            if tree is None:
+                input_pos[b], slots[b] = self.scratch, self.scratch
+                mask[b] = torch.arange(self.model.max_seq_length) == self.scratch
+        d = self.device
+        with sdpa_context():
+            return self.engine.forward(tokens.to(d), input_pos.to(d), slots.to(d), mask.to(d))  # [size, width, V]
+
     def can_speculate(self, r: Request) -> bool:
-        """The library's speculative loop serves a lone decoding request: greedy (its output is the same either
-        way) or sampled without a seed (a seeded one keeps the per-row draws that make it reproducible)."""
+        """The library's speculative loop serves a lone decoding request where the drafter does not draft in batches
+        (a draft head, a draft of another tokenizer): greedy (its output is the same either way) or sampled without
+        a seed (a seeded one keeps the per-row draws that make it reproducible)."""
         speculator = self.generator.speculator
-        return (speculator is not None and r.prefilled == len(r.prompt_ids) and not r.cancelled
-                and (r.sampling.temperature == 0 or r.seed is None)
+        return (speculator is not None and self.drafter is None and not r.cancelled
+                and r.prefilled == len(r.prompt_ids) and (r.sampling.temperature == 0 or r.seed is None)
                 and (r.logprobs is None or getattr(speculator, "gives_logprobs", False))
                 and (r.constraint is None or isinstance(speculator, Speculator)))  # not a draft of another tokenizer
 
@@ -840,10 +1130,11 @@ class Scheduler:
         so that compilation happens before /health says ready. The prefix cache is off meanwhile (each prompt
         must fill its width) and empty after."""
         enabled, self.prefix_cache = self.prefix_cache, False
+        self.warming = True
         try:
             self.run_warm_up()
         finally:
-            self.prefix_cache = enabled
+            self.prefix_cache, self.warming = enabled, False
             self.forget()
         self.metrics = Metrics(self.batch)  # the figures count real requests only
 
@@ -854,7 +1145,9 @@ class Scheduler:
         # while the first is still decoding (B + 1 tokens); then lone requests (speculative, if drafting) whose
         # prompts fill each prefill width
         short = prompt[:max(1, min(len(prompt), self.context - self.batch - 1))]
-        together = [(short, min(max(n, self.batch + 1), self.context - len(short)))] * self.batch
+        # a step that drafts gives a row up to depth + 1 tokens: the first must still decode when the last joins
+        steps = (self.batch + 1) * (1 + (self.drafter.depth if self.drafter is not None else 0))
+        together = [(short, min(max(n, steps), self.context - len(short)))] * self.batch
         runs = [together] + [[((prompt * w)[:min(w, self.context - n)], n)] for w in self.widths]
         for prompts in runs:
             requests = [Request(list(p), tokens, Sampling(0.0)) for p, tokens in prompts]

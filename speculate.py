@@ -212,6 +212,32 @@ def combine_stats(summaries: list) -> dict:
     return total.summary()
 
 
+def tree_inputs(trees: list, pos: list, max_seq_length: int, device):
+    """One verification forward's inputs for every row's tree (one size, Tree.pad_to): row b's node i at cache slot
+    pos[b] + i and RoPE position pos[b] + depth, seeing the row's prefix and its ancestors. Returns tokens,
+    input_pos, slots [B, n] and the mask [B, 1, n, max_seq_length], built on the host and moved to `device` once."""
+    n = len(trees[0].tokens)
+    tokens = torch.tensor([tree.tokens for tree in trees])  # [B, n]
+    start = torch.tensor(pos).view(-1, 1)  # [B, 1]
+    input_pos = start + torch.tensor([tree.depths for tree in trees])  # [B, n]
+    slots = start + torch.arange(n)  # [B, n]
+    mask = torch.cat([tree_mask(tree.parents, p, max_seq_length, "cpu") for tree, p in zip(trees, pos)])
+    return tokens.to(device), input_pos.to(device), slots.to(device), mask.to(device)
+
+
+def keep_paths(move, paths: list, pos: list):
+    """Each row's accepted path (node indices; node i was at slot pos[b] + i; None: nothing kept) moved to the
+    slots right after its root, in every layer's cache, by `move` (an engine's move_cache_slots: under tensor
+    parallelism the other ranks move theirs too)."""
+    rows, src, dst = [], [], []
+    for b, path in enumerate(paths):
+        if path is not None:
+            rows += [b] * len(path)
+            src += [pos[b] + node for node in path]
+            dst += range(pos[b] + 1, pos[b] + 1 + len(path))
+    move(src, dst, rows)
+
+
 def target_logprobs(logits: Tensor) -> Tensor:
     """log_softmax of the target's logits at temperature 1, before temperature, top-k or top-p: what a client scoring
     text (log-likelihoods, perplexity) asks of the model, whatever its sampling settings."""
@@ -220,8 +246,7 @@ def target_logprobs(logits: Tensor) -> Tensor:
 
 def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, active: Optional[list] = None,
                 features: bool = False, logprobs: bool = False, masks: Optional[list] = None):
-    """One target forward over every row's tree (row b's node i at cache slot pos[b] + i, RoPE position
-    pos[b] + depth, seeing the row's prefix and its ancestors), then verification of each active row, then
+    """One target forward over every row's tree (tree_inputs), then verification of each active row, then
     each accepted path's keys/values moved to the slots right after its root. Trees have one size (Tree.pad_to).
     Returns [(accepted path, the target's next token)] per row; None for an inactive row (a finished one,
     which keeps its place in the batch so the shapes stay fixed, and changes nothing). With `features`, also the
@@ -231,14 +256,7 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     nodes ([m, words], constrain()): their logits masked before verifying."""
     model = target.model
     device = model.tok_embeddings.weight.device
-    n = len(trees[0].tokens)
-    tokens = torch.tensor([tree.tokens for tree in trees], device=device)  # [B, n]
-    start = torch.tensor(pos, device=device).view(-1, 1)  # [B, 1]
-    input_pos = start + torch.tensor([tree.depths for tree in trees], device=device)  # [B, n]
-    slots = start + torch.arange(n, device=device)  # [B, n]
-    # built on the host row by row, copied to the device once: [B, 1, n, max_seq_length]
-    mask = torch.cat([tree_mask(tree.parents, p, model.max_seq_length, "cpu") for tree, p in zip(trees, pos)])
-    mask = mask.to(device)
+    tokens, input_pos, slots, mask = tree_inputs(trees, pos, model.max_seq_length, device)
     with sdpa_context():
         if features:
             logits, hidden = target.forward_features(tokens, input_pos, slots, mask)  # [B, n, V], [B, n, F]
@@ -262,14 +280,7 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     if logprobs:  # the emitted tokens are scored at the root and at each accepted node (each one's next token)
         results = [result and result + (target_logprobs(raw[b, [0] + result[0]]),)
                    for b, result in enumerate(results)]
-    rows, src, dst = [], [], []
-    for b, result in enumerate(results):
-        if result is not None:
-            path = result[0]
-            rows += [b] * len(path)
-            src += [pos[b] + node for node in path]
-            dst += range(pos[b] + 1, pos[b] + 1 + len(path))
-    target.move_cache_slots(src, dst, rows)
+    keep_paths(target.move_cache_slots, [result[0] if result is not None else None for result in results], pos)
     return (results, hidden.clone()) if features else results  # clone: a CUDA graph's replay overwrites its outputs
 
 

@@ -63,8 +63,19 @@ from errors import run_cli, write_atomically  # noqa: E402
 PROMPTS = ["Write a short story about a robot learning to paint.", "def fibonacci(n):",
            "Explain how a key-value cache speeds up decoding.", "The three most important ideas in physics are",
            "Translate to French: the weather is nice today.", "List five uses of a paperclip:"]
+# copy-heavy prompts: their continuations repeat what the prompt already holds (what n-gram lookups draft well)
+COPY_PROMPTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef subtract(a, b):\n    return a - b\n\n\ndef multiply(a, b):\n",
+    "Fruits: apple, banana, cherry, date, elderberry, fig, grape.\nThe same fruits again: apple, banana,",
+    '{"name": "Alice", "age": 30, "city": "Paris"}\n{"name": "Bob", "age": 25, "city": "Paris"}\n{"name": "Carol",',
+    "1. Open the file.\n2. Read the header.\n3. Check the header.\n4. Read the rows.\n5. Check the rows.\n6.",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
+    "SELECT id, name FROM users WHERE age > 30;\nSELECT id, name FROM users WHERE age > 40;\nSELECT id, name FROM",
+]
 MAX_CLIENTS, MAX_SECONDS = 64, 600
-WORKLOADS = ("plain", "shared", "chat")
+WORKLOADS = ("plain", "shared", "chat", "copy")
+# serve.py's drafter flags (each with its value): --versus_plain takes them out for the plain server
+DRAFTER_FLAGS = ("--draft_checkpoint_path", "--draft_head", "--speculate_k", "--tree_nodes", "--draft_ngram")
 # the chat and shared workloads' texts are drawn from these words (a fixed text: every run sends the same messages)
 FILLER = ("the parser reads each option and its value then checks the value against the type the option declares "
           "and stores it in a namespace that the program later reads to decide what to do next while the help text "
@@ -149,9 +160,10 @@ def filler(words: int, start: int) -> str:
 
 
 def plain_workload(max_tokens: int, prompts: list = PROMPTS):
-    """Client i's n-th request: the next of `prompts` to /v1/completions."""
+    """Client i's n-th request: the next of `prompts` to /v1/completions (the copy workload: COPY_PROMPTS)."""
     def run(port: int, i: int, n: int, state: dict) -> dict:
-        return request(port, "/v1/completions", {"prompt": prompts[(i + n) % len(prompts)], "max_tokens": max_tokens})
+        prompt = prompts[(i + n) % len(prompts)]
+        return dict(request(port, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens}), prompt=prompt)
     return run
 
 
@@ -319,7 +331,7 @@ def peer_argv(template: list, batch: int, context: int, threads: int, port: int)
 def versus(args, extra: list, peer) -> list:
     """Per B and mode (plain; speculative with a drafter), per workload: ours' figures beside the peer's, the two
     servers up side by side and taking turns, workload by workload (who goes first alternates)."""
-    workloads = {"plain": plain_workload(args.max_tokens),
+    workloads = {"plain": plain_workload(args.max_tokens), "copy": plain_workload(args.max_tokens, COPY_PROMPTS),
                  "shared": shared_workload(args.system_tokens, args.max_tokens),
                  "chat": chat_workload(args.turns, args.chat_history, args.max_tokens)}
     modes = ["plain"] + (["speculative"] if args.draft_checkpoint_path else [])
@@ -536,6 +548,9 @@ def parse(argv) -> argparse.Namespace:
                         "token both ways")
     p.add_argument("--chat_history", type=int, default=1500, metavar="TOKENS",
                    help="about how many tokens a chat's last prompt holds (--chat_turns, the chat workload)")
+    p.add_argument("--versus_plain", action="store_true",
+                   help="each B with the drafter flags given after -- and without them (plain batching); the plain "
+                        "or copy workload")
     p.add_argument("server_flags", nargs=argparse.REMAINDER, help="after --: more serve.py flags (--compile ...)")
     args = p.parse_args(argv)
     if not 0 < args.seconds <= MAX_SECONDS or (args.clients is not None and not 0 < args.clients <= MAX_CLIENTS):
@@ -558,6 +573,62 @@ def parse(argv) -> argparse.Namespace:
     if args.speculate_k != "auto" and not args.speculate_k.isdigit():
         raise SystemExit(f"error: --speculate_k must be an integer >= 1 or 'auto', got {args.speculate_k!r}")
     return args
+
+
+def without_drafter(flags: list) -> list:
+    """serve.py flags with the drafter's taken out (each with its value, or as --flag=value)."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in DRAFTER_FLAGS:
+            skip = True
+        elif not flag.startswith(tuple(f + "=" for f in DRAFTER_FLAGS)):
+            out.append(flag)
+    return out
+
+
+def versus_plain(args, extra: list) -> list:
+    """Per B, the same closed-loop greedy load on a server with the drafter and on one without (clients default to
+    B): both aggregate tokens/s, the speculative answers' tokens per target forward, and whether each prompt got
+    the same answer every time, both ways."""
+    prompts = COPY_PROMPTS if args.workloads == ["copy"] else PROMPTS
+    rows = []
+    for batch in args.batch_sizes:
+        clients = min(args.clients or batch, MAX_CLIENTS)
+        runs = {}
+        for name, flags in (("plain", without_drafter(extra)), ("speculative", extra)):
+            with serving(args.checkpoint_path, batch, flags, args.threads) as port:
+                runs[name] = load(port, clients, args.seconds, plain_workload(args.max_tokens, prompts))
+        answers = {}
+        for run in runs.values():
+            for answer in run["answers"]:
+                answers.setdefault(answer["prompt"], set()).add(answer["text"])
+        per_forward = [a["fastgen"]["tokens_per_target_forward"] for a in runs["speculative"]["answers"]
+                       if a["fastgen"].get("tokens_per_target_forward")]
+        plain, fast = runs["plain"]["tokens_per_sec"], runs["speculative"]["tokens_per_sec"]
+        rows.append({"batch_size": batch, "clients": clients, "plain_tokens_per_sec": plain,
+                     "speculative_tokens_per_sec": fast, "ratio": fast / plain if plain else None,
+                     "tokens_per_target_forward": statistics.mean(per_forward) if per_forward else None,
+                     "requests": {name: run["requests"] for name, run in runs.items()},
+                     "identical": all(len(texts) == 1 for texts in answers.values())})
+    return rows
+
+
+def report_versus_plain(args, extra: list, rows: list):
+    value = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+    print(f"speculative: {' '.join(extra)}; plain: {' '.join(without_drafter(extra)) or 'no flags'}; "
+          f"workload {args.workloads[0]}")
+    print(f"{'B':>3} {'clients':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'tok/fwd':>7} answers")
+    for r in rows:
+        print(f"{r['batch_size']:>3} {r['clients']:>7} {r['plain_tokens_per_sec']:>11.1f} "
+              f"{r['speculative_tokens_per_sec']:>10.1f} {value(r['ratio'], '.3f'):>6} "
+              f"{value(r['tokens_per_target_forward'], '.2f'):>7} {'identical' if r['identical'] else 'DIFFERENT'}")
+    if args.json:
+        result = {"checkpoint": str(args.checkpoint_path), "seconds": args.seconds, "max_tokens": args.max_tokens,
+                  "workload": args.workloads[0], "server_flags": extra, "plain_flags": without_drafter(extra),
+                  "rows": rows}
+        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
 
 
 def peer_of(args):
@@ -604,6 +675,13 @@ def main(argv=None):
         report_chat(args, extra, chat_turns(args, extra))
     elif args.versus_generate:
         versus_generate(args, extra)
+    elif args.versus_plain:
+        if args.llama_cpp or args.peer_command or without_drafter(extra) == extra \
+                or len(args.workloads) != 1 or args.workloads[0] not in ("plain", "copy"):
+            raise SystemExit("error: --versus_plain compares a drafter with plain batching on ours alone: give the "
+                             "drafter's flags after -- (--draft_ngram N, --draft_checkpoint_path ...), one of the "
+                             "plain or copy workloads, and no peer")
+        report_versus_plain(args, extra, versus_plain(args, extra))
     else:
         peer = peer_of(args)
         if peer and any(f.split("=")[0] in ("--max_seq_length", "--max_batch_size") for f in extra):

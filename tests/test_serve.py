@@ -19,9 +19,11 @@ import torch
 
 import generation
 import serve
-from decode import Sampling
-from helpers import ROOT, copy_checkpoint, write_checkpoint
+import speculate
+from decode import Sampling, logits_to_probs
+from helpers import REJECT_BELOW, ROOT, chi_square_pvalue, copy_checkpoint, write_checkpoint
 from test_crossdraft import noisy_draft  # noqa: F401 (a fixture)
+from test_speculative import residual_ignores_draft
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -895,10 +897,11 @@ def test_a_lone_request_speculates_and_stays_exact(random_target, near_draft, li
         running.stop()
 
 
-def test_a_lone_requests_plain_steps_run_as_plain_decoding_and_stop_on_nan(random_target, near_draft, library,
-                                                                            monkeypatch):
-    """Where `auto` steps plainly, the lone request's plain steps run through plain decoding's loop: the answer is
-    the library's alone; logits gone NaN fail the request with the one NaN line, before a broken token goes out."""
+def test_plain_steps_chosen_by_auto_are_batched_steps_and_stop_on_nan(random_target, near_draft, library,
+                                                                     monkeypatch):
+    """Where `auto` steps plainly, a request that may draft takes the batch's plain [n, 1] steps: the answer is the
+    library's alone, one token per target forward; logits gone NaN in such a step fail the request with the one
+    NaN line, before a broken token goes out."""
     import speculate
     monkeypatch.setattr(speculate.AutoChoice, "choose", lambda self, batch: None)
     running = Running(random_target, "--max_batch_size", 2, "--draft_checkpoint_path", near_draft,
@@ -906,20 +909,14 @@ def test_a_lone_requests_plain_steps_run_as_plain_decoding_and_stop_on_nan(rando
     try:
         reply = long_chat_answer(running, library, 40)
         assert reply["fastgen"]["tokens_per_target_forward"] == 1.0
-        model = running.scheduler.engine.model
-        # NaN in plain decoding's steps only (the prefill and batched decoding stay finite)
-        inside, plain = [False], running.scheduler.engine.decode_one_token
+        forward = running.scheduler.engine.forward
 
-        def poisoned(*args, **kwargs):
-            inside[0] = True
-            try:
-                return plain(*args, **kwargs)
-            finally:
-                inside[0] = False
-        running.scheduler.engine = dataclasses.replace(running.scheduler.engine, decode_one_token=poisoned)
-        model.layers[0].register_forward_hook(lambda _module, _inputs, out: out * float("nan") if inside[0] else out)
+        def poisoned(x, *args, **kwargs):  # NaN in decode steps only (the prefill stays finite)
+            logits = forward(x, *args, **kwargs)
+            return logits * float("nan") if x.shape[1] == 1 else logits
+        running.scheduler.engine = dataclasses.replace(running.scheduler.engine, forward=poisoned)
         status, reply = running.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0})
-        assert status == 500 and "logits for a generated token are NaN" in reply["error"]["message"]
+        assert status == 500 and "logits are NaN or infinite" in reply["error"]["message"]
     finally:
         running.stop()
 
@@ -1100,3 +1097,236 @@ def test_bench_serve_times_a_chats_last_turn_with_and_without_the_prefix_cache(r
     assert row["identical"] and row["turns"] == 3 and row["batch_size"] == 2
     assert 0 < row["last_cached_tokens"] < row["last_prompt_tokens"]
     assert row["speedup"] == pytest.approx(row["ttft_cold"] / row["ttft_cached"])
+
+
+@pytest.mark.slow
+def test_bench_serve_compares_speculative_with_plain_batching(random_target, tmp_path):
+    """scripts/bench_serve.py --versus_plain: the same greedy load on a server with n-gram drafting and on one
+    without; both tokens/s and their ratio, and every answer the same both ways (greedy)."""
+    out = tmp_path / "plain.json"
+    done = subprocess.run([sys.executable, "scripts/bench_serve.py", "--checkpoint_path", str(random_target),
+                           "--versus_plain", "--batch_sizes", "2", "--seconds", "3", "--max_tokens", "12",
+                           "--workload", "copy", "--json", str(out), "--", "--draft_ngram", "3", "--speculate_k", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "spec tok/s" in done.stdout and "identical" in done.stdout
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert result["plain_flags"] == [] and result["server_flags"] == ["--draft_ngram", "3", "--speculate_k", "4"]
+    assert row["identical"] and row["clients"] == 2 and min(row["requests"].values()) >= 2
+    assert row["ratio"] == pytest.approx(row["speculative_tokens_per_sec"] / row["plain_tokens_per_sec"])
+    assert row["tokens_per_target_forward"] >= 1.0
+
+
+# ----------------------------------------------------------------------------- speculation inside the batch
+
+def spec_scheduler(target, rows=4, **build):
+    """A Scheduler over `target` with a drafter (Generator.build's arguments), prefill chunks of 16."""
+    s = serve.Scheduler(generation.Generator.build(target, **build), rows, 64, 200)
+    s.chunk, s.widths = 16, [16]
+    return s
+
+
+def verified(scheduler, monkeypatch) -> list:
+    """Spies on the scheduler's verification: a list that collects (request, drafted nodes, accepted nodes, batch)."""
+    seen, accept_row = [], serve.accept_row
+    forward, batch = scheduler.engine.forward, [0]
+
+    def forward_seen(x, *args, **kwargs):
+        batch[0] = x.shape[0]
+        return forward(x, *args, **kwargs)
+
+    def spy(r, tree, logits):
+        path, token = accept_row(r, tree, logits)
+        drafted = sum(parent != speculate.NO_PARENT for parent in tree.parents) - 1
+        seen.append((r, drafted, len(path or ()), batch[0]))
+        return path, token
+    scheduler.engine = dataclasses.replace(scheduler.engine, forward=forward_seen)
+    monkeypatch.setattr(serve, "accept_row", spy)
+    return seen
+
+
+def joining_and_leaving(library) -> dict:
+    """Greedy requests that arrive while others speculate and leave at different lengths; later ones reuse earlier
+    prompts (the prefix cache); one prompt spans several chunks; a seeded sampled one rides along."""
+    ids = [library.tokenizer.encode_prompt(p) for p in PROMPTS]
+    greedy = Sampling()
+    return {0: [serve.Request(ids[0], 40, greedy)], 2: [serve.Request(ids[4], 30, greedy)],
+            3: [serve.Request(ids[1], 10, greedy), serve.Request(ids[2], 50, greedy)],
+            7: [serve.Request(ids[3], 25, greedy), serve.Request(ids[0] + ids[1][1:], 20, greedy),
+                serve.Request(ids[3], 20, Sampling(0.9, top_k=50), seed=7)],
+            12: [serve.Request(ids[4] + ids[2][1:], 24, greedy), serve.Request(ids[0], 33, greedy)]}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft", "draft tree", "draft auto"])
+def test_rows_speculate_together_and_every_greedy_answer_is_the_librarys(random_target, near_draft, library, drafter,
+                                                                        monkeypatch):
+    """Requests join and leave while the batch speculates (n-gram lookups, a draft model's chains or trees, `auto`),
+    reuse cached prefixes and move between rows: every greedy answer is the library's alone, token for token;
+    drafts were verified for several rows in one forward and accepted; a seeded sampled request, which verifies its
+    root alone, draws what it draws alone."""
+    build = {"ngram": dict(speculation=generation.Speculation(4, None, 3)),
+             "draft": dict(draft_checkpoint_path=near_draft, speculation=generation.Speculation(3)),
+             "draft tree": dict(draft_checkpoint_path=near_draft, speculation=generation.Speculation(3, 8)),
+             "draft auto": dict(draft_checkpoint_path=near_draft, speculation=generation.Speculation("auto"))}[drafter]
+    scheduler = spec_scheduler(random_target, **build)
+    seeded = joining_and_leaving(library)[7][2]
+    drive(scheduler, {0: [seeded]})  # alone
+    seen = verified(scheduler, monkeypatch)
+    arrivals = joining_and_leaving(library)
+    drive(scheduler, arrivals)
+    everyone = [r for rs in arrivals.values() for r in rs]
+    for r in everyone:
+        if r.seed is None:
+            assert r.tokens == alone(library, r.prompt_ids, r.max_tokens)[0], r.prompt_ids
+    assert arrivals[7][2].tokens == seeded.tokens
+    assert sum(r.cached_tokens > 0 for r in everyone) >= 2
+    together = [(drafted, accepted) for r, drafted, accepted, batch in seen if drafted and batch > 1]
+    assert together and sum(accepted for _, accepted in together) > 0
+    assert not any(drafted for r, drafted, _, _ in seen if r.seed is not None)
+    assert scheduler.metrics.spec_tokens > scheduler.metrics.spec_forwards
+
+
+def test_a_draft_of_the_target_itself_accepts_every_draft_wherever_its_row_moved(random_target, library,
+                                                                                 monkeypatch):
+    """With the target as its own draft, every drafted token is accepted only if the draft's cache rows hold the
+    keys of the same ids as the target's: through prefill, prefix-cache copies, the moves to row 0 and down, and
+    rows that idle beside drafting ones. A scheduler that leaves the draft's rows behind when rows swap is caught."""
+    for broken in (False, True):
+        if broken:
+            swap = serve.swap_rows
+            monkeypatch.setattr(serve, "swap_rows", lambda model, *args: swap(model, *args)
+                                if model is scheduler.model else None)
+        scheduler = spec_scheduler(random_target, draft_checkpoint_path=random_target,
+                                   speculation=generation.Speculation(3))
+        seen = verified(scheduler, monkeypatch)
+        for _ in range(2):  # the second time, prompts are cached
+            arrivals = joining_and_leaving(library)
+            drive(scheduler, arrivals)
+            for r in [r for rs in arrivals.values() for r in rs if r.seed is None]:
+                assert r.tokens == alone(library, r.prompt_ids, r.max_tokens)[0]
+        rejected = [(drafted, accepted) for _, drafted, accepted, _ in seen if accepted < drafted]
+        assert len(seen) > 50 and bool(rejected) == broken, rejected
+
+
+def test_nan_in_a_verification_fails_only_its_row(random_target, near_draft, library):
+    """Logits gone NaN in one row of a verification forward end that row's request with an error; the rows beside
+    it speculate on and answer as the library does alone."""
+    scheduler = spec_scheduler(random_target, draft_checkpoint_path=near_draft, speculation=generation.Speculation(3))
+    forward, victim = scheduler.engine.forward, []
+
+    def poisoned(x, *args, **kwargs):
+        logits = forward(x, *args, **kwargs)
+        if x.shape[1] > 1 and x.shape[0] > 1 and not victim and scheduler.rows[1] is not None:
+            victim.append(scheduler.rows[1])
+            logits[1] = float("nan")
+        return logits
+    scheduler.engine = dataclasses.replace(scheduler.engine, forward=poisoned)
+    ids = [library.tokenizer.encode_prompt(p) for p in PROMPTS[:3]]
+    requests = [serve.Request(p, 30, Sampling()) for p in ids]
+    for r in requests:
+        scheduler.submit(r)
+    while any(r.finish_reason is None and r.error is None for r in requests):
+        with scheduler.wake:
+            scheduler.admit()
+        scheduler.step()
+    assert len(victim) == 1 and victim[0].error is not None and "NaN" in victim[0].error.message
+    for r in requests:
+        if r is not victim[0]:
+            assert r.error is None and r.tokens == alone(library, r.prompt_ids, 30)[0]
+
+
+def batch_draws(target, draft, rows: list, rounds: int) -> list:
+    """Draws of the two tokens after prompt + [FIRST_TOKEN] for each of `rows` (prompt ids, Sampling, seeded), all
+    in one batch of speculating rows (a draft model's depth-2 chains), `rounds` times: [(t2, t3)] per row. The
+    prompts are prefilled once; each round puts fresh requests, their first token given, on the rows they hold.
+    Also returns the speculative (tokens, target forwards) of the rows that drafted."""
+    scheduler = spec_scheduler(target, len(rows), draft_checkpoint_path=draft, speculation=generation.Speculation(2))
+    scheduler.eos = set()  # every answer is 3 tokens long
+    first = [serve.Request(list(p), 1, Sampling()) for p, _, _ in rows]
+    drive(scheduler, {0: first})
+    drawn = [[] for _ in rows]
+    torch.manual_seed(0)
+    for k in range(rounds):
+        requests, free = [], set(range(len(rows)))
+        for prompt, sampling, seeded in rows:  # a row whose entry starts with the prompt (rows move as they end)
+            slot = next(i for i in sorted(free) if scheduler.kept[i][:len(prompt)] == list(prompt))
+            free.remove(slot)
+            r = serve.Request(list(prompt), 3, sampling, seed=k if seeded else None)
+            r.prefilled, r.tokens, r.slot = len(prompt), [FIRST_TOKEN], slot
+            scheduler.rows[slot], scheduler.kept[slot] = r, None
+            requests.append(r)
+        while any(r.finish_reason is None and r.error is None for r in requests):
+            scheduler.step()
+        assert all(r.error is None for r in requests)
+        for out, r in zip(drawn, requests):
+            out.append(r.tokens[1:])
+    return drawn, (scheduler.metrics.spec_tokens, scheduler.metrics.spec_forwards)
+
+
+FIRST_TOKEN = 100
+ROUNDS = 200
+T1_K4, T07_K3 = Sampling(1.0, top_k=4), Sampling(0.7, top_k=3)
+
+
+def exact_pairs(model, prompt: list, sampling: Sampling) -> torch.Tensor:
+    """The target's p(t2, t3) after prompt + [FIRST_TOKEN], [V * V], by enumeration over t2's support."""
+    def probs(context):
+        model.setup_caches(1, 64)
+        with torch.no_grad():
+            logits = model(torch.tensor([context]), torch.arange(len(context)).view(1, -1))[0, -1]
+        return logits_to_probs(logits, sampling).double()
+    context = list(prompt) + [FIRST_TOKEN]
+    p2 = probs(context)
+    joint = torch.zeros(len(p2), len(p2), dtype=torch.double)
+    for t2 in p2.nonzero().flatten().tolist():
+        joint[t2] = p2[t2] * probs(context + [t2])
+    return joint.flatten()
+
+
+def same_settings_everywhere(r, tree, logits, accept_row=serve.accept_row):
+    """Broken: every sampled row verified with the first row's settings, not its own."""
+    return accept_row(dataclasses.replace(r, sampling=T1_K4) if r.sampling.temperature else r, tree, logits)
+
+
+SLOW_CASES = ("broken: rows verified with one row's settings",)  # 2 to 4 s each: one broken case in the quick loop
+BATCH_LOSSLESS = {  # name: (the rows' settings are all the same, what to break or None)
+    "one setting: the draft samples": (True, None),
+    "mixed settings: greedy drafts": (False, None),
+    "broken: residual ignores the draft": (False, ("speculate", "residual", residual_ignores_draft)),
+    "broken: rows verified with one row's settings": (False, ("serve", "accept_row", same_settings_everywhere)),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case
+                                  for case in BATCH_LOSSLESS])
+def test_sampled_rows_speculating_in_a_batch_are_target_distributed(random_target, near_draft, library, case,
+                                                                   monkeypatch):
+    """Sampled rows in one batch, at two positions (two prompts), with their own settings (two samplings, a greedy
+    row and a seeded one beside them), speculate together; each group's (t2, t3) draws pass a chi-square test
+    against the target's distribution computed by enumeration, and deliberately broken verifications fail it
+    (REJECT_BELOW as in test_speculative.py). With one setting the draft samples with it (its proposals reach the
+    verifier); with several it drafts greedily (point masses)."""
+    same, breakage = BATCH_LOSSLESS[case]
+    if breakage is not None:
+        module, name, broken = breakage
+        monkeypatch.setattr(speculate if module == "speculate" else serve, name, broken)
+    a, b = (library.tokenizer.encode_prompt(p) for p in ("def main(", "Hello, my name is"))
+    if same:
+        rows = [(a, T1_K4, False)] * 3 + [(b, T1_K4, False)] * 3
+    else:
+        rows = [(a, T1_K4, False)] * 2 + [(a, T1_K4, True), (b, T07_K3, False), (b, T07_K3, False),
+                                          (a, Sampling(), False), (b, T07_K3, True), (b, Sampling(), False)]
+    drawn, (tokens, forwards) = batch_draws(random_target, near_draft, rows, ROUNDS)
+    model = generation.load_model(random_target)
+    pvalues = {}
+    for prompt, sampling in {(tuple(p), (s.temperature, s.top_k)): (p, s) for p, s, _ in rows
+                             if s.temperature > 0}.values():
+        pairs = torch.tensor([d for (p, s, _), got in zip(rows, drawn) if p == prompt and s == sampling for d in got])
+        vocab = model.args.vocab_size
+        counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab)
+        pvalues[(len(prompt), sampling.temperature)] = chi_square_pvalue(counts, exact_pairs(model, prompt, sampling))
+    greedy = [got for (p, s, _), got in zip(rows, drawn) if s.temperature == 0]
+    assert all(len(set(map(tuple, got))) == 1 for got in greedy)  # a greedy row beside them: always the same
+    assert (min(pvalues.values()) < REJECT_BELOW) == (breakage is not None), pvalues
+    assert 1.2 < tokens / forwards < 2.8  # drafts accepted and rejected (depth 2: at most 3 tokens a forward)
