@@ -76,13 +76,15 @@ class plain:
     """The server's speculator switched off while in the block: every request decodes in the batch."""
 
     def __init__(self, running):
-        self.generator = running.scheduler.generator
+        self.scheduler = running.scheduler
 
     def __enter__(self):
-        self.saved, self.generator.speculator = self.generator.speculator, None
+        s = self.scheduler
+        self.saved = s.generator.speculator, s.drafter
+        s.generator.speculator, s.drafter = None, None
 
     def __exit__(self, *exc):
-        self.generator.speculator = self.saved
+        self.scheduler.generator.speculator, self.scheduler.drafter = self.saved
 
 
 def ask(running, schema, **settings):

@@ -244,6 +244,8 @@ def test_nan_or_infinite_logits_fail_only_their_request():
     failed, accepted = [], []
     stub = SimpleNamespace(fail=lambda r, error: failed.append((r, error.message)),
                            accept=lambda r, token, scores=None: accepted.append(r))
+    for name in ("take", "verdict", "hand_out", "constrain"):  # the scheduler's own, on the stub
+        setattr(stub, name, getattr(serve.Scheduler, name).__get__(stub))
     requests = [serve.Request([1], 5, Sampling(temperature=t)) for t in (0, 0, 0.8, 0.8, 0, 0.8)]
     logits = torch.randn(6, 50)
     logits[1, 7], logits[3, 2], logits[4, 3], logits[5, 0] = float("nan"), float("inf"), -float("inf"), float("nan")
@@ -1136,8 +1138,8 @@ def verified(scheduler, monkeypatch) -> list:
         batch[0] = x.shape[0]
         return forward(x, *args, **kwargs)
 
-    def spy(r, tree, logits):
-        path, token = accept_row(r, tree, logits)
+    def spy(r, tree, logits, bitmask=None):
+        path, token = accept_row(r, tree, logits, bitmask)
         drafted = sum(parent != speculate.NO_PARENT for parent in tree.parents) - 1
         seen.append((r, drafted, len(path or ()), batch[0]))
         return path, token
@@ -1195,8 +1197,8 @@ def test_a_draft_of_the_target_itself_accepts_every_draft_wherever_its_row_moved
     for broken in (False, True):
         if broken:
             swap = serve.swap_rows
-            monkeypatch.setattr(serve, "swap_rows", lambda model, *args: swap(model, *args)
-                                if model is scheduler.model else None)
+            monkeypatch.setattr(serve, "swap_rows", lambda move, *args: None  # the draft's swaps go missing
+                                if getattr(move, "args", (None,))[0] is scheduler.draft_model else swap(move, *args))
         scheduler = spec_scheduler(random_target, draft_checkpoint_path=random_target,
                                    speculation=generation.Speculation(3))
         seen = verified(scheduler, monkeypatch)
@@ -1284,7 +1286,7 @@ def exact_pairs(model, prompt: list, sampling: Sampling) -> torch.Tensor:
     return joint.flatten()
 
 
-def same_settings_everywhere(r, tree, logits, accept_row=serve.accept_row):
+def same_settings_everywhere(r, tree, logits, bitmask=None, accept_row=serve.accept_row):
     """Broken: every sampled row verified with the first row's settings, not its own."""
     return accept_row(dataclasses.replace(r, sampling=T1_K4) if r.sampling.temperature else r, tree, logits)
 
