@@ -72,6 +72,9 @@ COPY_PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
     "SELECT id, name FROM users WHERE age > 30;\nSELECT id, name FROM users WHERE age > 40;\nSELECT id, name FROM",
 ]
+# --versus_generate's one prompt: a story's opening, which models continue at length (an instruction as a raw
+# completion may end at its first token, and an answer with no text has nothing to time)
+LONE_PROMPT = "Once upon a time, in a small village by the sea,"
 MAX_CLIENTS, MAX_SECONDS = 64, 600
 WORKLOADS = ("plain", "shared", "chat", "copy")
 # serve.py's drafter flags (each with its value): --versus_plain takes them out for the plain server
@@ -497,23 +500,23 @@ def lone_client(answers: list, plain: float) -> dict:
 
 
 def report_versus_generate(args, extra: list, plain: float, rows: list):
-    print(f"generate.py plain: {plain:.1f} tokens/s ({PROMPTS[0]!r}, {args.max_tokens} new tokens, flags "
+    print(f"generate.py plain: {plain:.1f} tokens/s ({LONE_PROMPT!r}, {args.max_tokens} new tokens, flags "
           f"{' '.join(generate_flags(extra)) or 'none'})")
     table(["B", "answers", "answer tok/s", "ratio", "decode tok/s", "ratio"],
           [[str(r["batch_size"]), str(r["answers"]), show(r["answer_tokens_per_sec"], ".1f"), show(r["ratio"], ".3f"),
             show(r["decode_tokens_per_sec"], ".1f"), show(r["decode_ratio"], ".3f")] for r in rows],
           "one client; ratio: to generate.py's")
     write_result(args.json, {"checkpoint": str(args.checkpoint_path), "seconds": args.seconds,
-                             "max_tokens": args.max_tokens, "prompt": PROMPTS[0], "server_flags": extra,
+                             "max_tokens": args.max_tokens, "prompt": LONE_PROMPT, "server_flags": extra,
                              "generate_flags": generate_flags(extra), "generate_tokens_per_sec": plain, "rows": rows})
 
 
 def versus_generate(args, extra: list):
-    plain = generate_tokens_per_sec(args.checkpoint_path, PROMPTS[0], args.max_tokens, generate_flags(extra))
+    plain = generate_tokens_per_sec(args.checkpoint_path, LONE_PROMPT, args.max_tokens, generate_flags(extra))
     rows = []
     for batch in args.batch_sizes:
         with serving(args.checkpoint_path, batch, extra, args.threads) as port:
-            answers = load(port, 1, args.seconds, plain_workload(args.max_tokens, PROMPTS[:1]))["answers"]
+            answers = load(port, 1, args.seconds, plain_workload(args.max_tokens, [LONE_PROMPT]))["answers"]
             rows.append(dict(lone_client(answers, plain), batch_size=batch))
     report_versus_generate(args, extra, plain, rows)
 
