@@ -116,16 +116,29 @@ def length_patterns(schema):
     return out
 
 
+def whole_utf8(piece: bytes) -> bool:
+    """Whether a token's bytes are whole UTF-8 characters. A token holding part of a character (a byte-fallback
+    <0xNN>, a byte-level piece) is left out of a grammar's vocabulary: xgrammar takes a lead byte's continuation bytes
+    without checking them, so such tokens could join into bytes that are no text (a JSON string of replacement
+    characters, longer than its maxLength). Every character stays reachable: JSON strings have \\u escapes."""
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 class Grammars:
-    """One tokenizer's vocabulary as xgrammar sees it (each id's bytes where it follows other tokens; special tokens
-    never allowed, the end-of-sequence ids allowed where the grammar is complete), its compiler, and the grammars
+    """One tokenizer's vocabulary as xgrammar sees it (each id's bytes where it follows other tokens, whole characters
+    only: whole_utf8; special tokens never allowed, the end-of-sequence ids allowed where the grammar is complete),
+    its compiler, and the grammars
     compiled so far (one per schema: a server sees the same few schemas again and again)."""
     CACHED = 64  # compiled grammars kept (their token-mask caches are the memory)
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list):
         import xgrammar
         self.xgr = xgrammar
-        vocab = [piece or b"" for piece in tokenizer.token_bytes()]
+        vocab = [piece if piece and whole_utf8(piece) else b"" for piece in tokenizer.token_bytes()]
         self.vocab_size = vocab_size
         self.info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=vocab_size,
                                            stop_token_ids=list(eos_ids))

@@ -322,6 +322,22 @@ def test_the_library_constrains_batches_and_speculation_alike(target, library):
         jsonschema.validate(json.loads(library.tokenizer.decode(row[:-1])), schema)
 
 
+def test_a_grammar_never_allows_part_of_a_character(library):
+    """Inside a JSON string any character may come, but never a token holding part of one (a byte-fallback <0xNN>
+    of a byte >= 0x80): the grammar's text is always whole UTF-8 (grammar.whole_utf8)."""
+    pieces = library.tokenizer.token_bytes()
+    partial = [i for i, b in enumerate(pieces) if b and not grammar.whole_utf8(b)]
+    assert partial  # the test tokenizer has byte-fallback tokens
+    constraint = grammar.Constraint(library.grammars.json_schema({"type": "object", "properties": {
+        "a": {"type": "string"}}, "required": ["a"]}), library.model.args.vocab_size)
+    for ch in '{"a": "':
+        token = next(i for i, b in enumerate(pieces) if b == ch.encode())
+        assert constraint.accept(token)
+    allowed = grammar.unpack(constraint.allowed(), library.model.args.vocab_size)[0]
+    assert allowed[[i for i, b in enumerate(pieces) if b in (b"x", b" ")]].all()  # a string takes text
+    assert not allowed[partial].any()
+
+
 def test_a_schema_file_that_cannot_be_read_is_one_line(target, tmp_path):
     for name, text, why in (("missing.json", None, "cannot read it"), ("bad.json", "{nope", "is not JSON")):
         path = tmp_path / name
