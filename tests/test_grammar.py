@@ -17,6 +17,8 @@ from errors import UserError
 from helpers import FIRST, PREFIX, REJECT_BELOW, VOCAB, chi_square_pvalue, cli, tiny_tables, write_checkpoint
 from test_serve import Running
 
+pytestmark = pytest.mark.slow  # servers, compiled grammars and chi-square runs: the full suite runs them
+
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 

@@ -14,6 +14,8 @@ from generation import load_model
 from helpers import copy_checkpoint
 from test_serve import PROMPTS, Running, alone, drive, library, tokenizers  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.slow  # servers and speculative runs per test: the full suite runs them
+
 openai = pytest.importorskip("openai")
 TOLERANCE = 1e-4
 
