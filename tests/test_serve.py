@@ -1291,7 +1291,7 @@ def same_settings_everywhere(r, tree, logits, bitmask=None, accept_row=serve.acc
     return accept_row(dataclasses.replace(r, sampling=T1_K4) if r.sampling.temperature else r, tree, logits)
 
 
-SLOW_CASES = ("broken: rows verified with one row's settings",)  # 2 to 4 s each: one broken case in the quick loop
+SLOW_CASES = ("broken: rows verified with one row's settings",)  # a chi-square run each: one broken case stays in the quick loop
 BATCH_LOSSLESS = {  # name: (the rows' settings are all the same, what to break or None)
     "one setting: the draft samples": (True, None),
     "mixed settings: greedy drafts": (False, None),
