@@ -308,7 +308,11 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
     with torch.device("meta"):
         model = Transformer(args)
     out = dict(state_dict)
-    tied = args.tie_word_embeddings and "output.weight" not in state_dict
+    table, output = state_dict.get("tok_embeddings.weight"), out.pop("output.weight", None)
+    # converters may write a tied output beside the table (the same storage): it is still the table's rows
+    tied = args.tie_word_embeddings and (output is None or output is table or torch.equal(output, table))
+    if output is not None and not tied:
+        out["output.weight"] = output
     if scheme.get("embedding") == "int8":
         out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(state_dict["tok_embeddings.weight"])
         kernels.drop_file_pages([state_dict["tok_embeddings.weight"]])

@@ -168,6 +168,13 @@ def tied_target(tmp_path_factory, tokenizer_model):
     return path
 
 
+@pytest.fixture(scope="module")
+def tied_target_with_output(tmp_path_factory, tokenizer_model):
+    """Tied embeddings with output.weight written beside the table, as convert_hf_checkpoint.py writes them."""
+    return write_checkpoint(tmp_path_factory.mktemp("tied_output"), tokenizer_model, seed=3, dim=64, n_layer=2,
+                            n_head=4, n_local_heads=2, vocab_size=512, block_size=256, tie_word_embeddings=True)
+
+
 @pytest.mark.parametrize("mode, groupsize, bound", [("int8", None, 0.015), ("int4", 32, 0.06)])
 @pytest.mark.parametrize("which", ["untied", "tied", "bf16"])
 def test_logits_close_to_full_precision(mode, groupsize, bound, which, target, tied_target):
@@ -193,11 +200,17 @@ def test_logits_close_to_full_precision(mode, groupsize, bound, which, target, t
     assert error < bound, error
 
 
+@pytest.mark.parametrize("written", [False, True], ids=["table only", "output written too"])
 @pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
-def test_the_embedding_table_is_int8_and_a_tied_one_is_stored_once(mode, groupsize, tied_target, tmp_path):
+def test_the_embedding_table_is_int8_and_a_tied_one_is_stored_once(mode, groupsize, written, tied_target,
+                                                                   tied_target_with_output, tmp_path):
     """The file holds the embedding table as int8 rows with a scale each (a quarter of its float32 bytes); a tied
-    output layer is not written again; a row looks up exactly its dequantized values. A file written before the
-    table was quantized (no "embedding" in its scheme) still loads, with its float table."""
+    output layer is not written again, whether or not the checkpoint held it beside the table; a row looks up
+    exactly its dequantized values. A file written before the table was quantized (no "embedding" in its scheme)
+    still loads, with its float table."""
+    if written:
+        assert "output.weight" in torch.load(tied_target_with_output, weights_only=True)
+        tied_target = tied_target_with_output
     path = quantized_file(tied_target, mode, groupsize)
     saved = torch.load(path, weights_only=True)
     assert saved["quantization"]["embedding"] == "int8"
