@@ -228,9 +228,12 @@ class Int4A8Linear(Int4Linear):
         if self.packed_for_cpu or self.weight.device.type != "cpu" or not kernels.a8_kernels():
             return super().pack_for_cpu()
         u = F.pad(unpack_int4(self.weight), (0, padded_inputs(self.in_features) - self.in_features))
-        steps = [u[:, i:i + 128] for i in range(0, u.shape[1], 128)]  # the last one may hold 64 inputs
-        self.weight = torch.cat([step[:, :step.shape[1] // 2] | (step[:, step.shape[1] // 2:] << 4) for step in steps],
-                                dim=1).contiguous()
+        N, full = u.shape[0], u.shape[1] // 128 * 128
+        steps = u[:, :full].view(N, -1, 2, 64)  # whole tensors at once: a loop over steps took seconds at 1B
+        parts = [(steps[:, :, 0] | (steps[:, :, 1] << 4)).view(N, -1)]
+        if full < u.shape[1]:  # a last step of 64 inputs
+            parts.append(u[:, full:full + 32] | (u[:, full + 32:] << 4))
+        self.weight = torch.cat(parts, dim=1).contiguous()
         self.scales_and_zeros = self.scales_and_zeros.permute(1, 2, 0).contiguous()  # [K/G, N, 2] -> [N, 2, K/G]
         self.packed_for_cpu = self.a8 = True
 
