@@ -272,8 +272,10 @@ class StoredGraph:
         raise NotImplementedError
 
     def constants(self) -> dict:
-        """The module's tensors but its KV cache, by the names the graph knows them by (their original names)."""
-        tensors = itertools.chain(self.module.named_parameters(), self.module.named_buffers())
+        """The module's tensors but its KV cache, by the names the graph knows them by (their original names). A tied
+        tensor under each of its names: export may name it after either module (a tied output layer)."""
+        tensors = itertools.chain(self.module.named_parameters(remove_duplicate=False),
+                                  self.module.named_buffers(remove_duplicate=False))
         return {f"{self.owner}.{name}": t for name, t in tensors if "kv_cache" not in name}
 
     def layout(self) -> str:

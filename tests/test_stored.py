@@ -724,3 +724,18 @@ def test_a_full_disk_while_making_the_signing_key_leaves_no_short_key(small_disk
                      f"{lines[0].rsplit(': ', 1)[-1]}"], lines
     assert not (small_disk.directory / "fastgen" / "artifact.key").exists()
     assert len(artifacts.signing_key()) == artifacts.KEY_BYTES  # with room: made whole
+
+
+@pytest.mark.slow  # a build
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tied_output_layer_is_read_from_the_tables_weight(precision, tmp_path, tokenizer_model, capsys):
+    """A tied output layer's weight is the embedding table's: export may name it after either module, so a stored
+    graph is handed it under both names (before, a bf16 model's graph was refused at load and compiled in every
+    process instead)."""
+    path = write_checkpoint(tmp_path / "tied", tokenizer_model, seed=3, dim=32, n_layer=1, n_head=2, vocab_size=512,
+                            block_size=64, tie_word_embeddings=True)
+    want = greedy(decode.compile_engine(generation.load_model(path, precision=precision), "cpu", "none"))
+    for build in (True, False):
+        engine = decode.compile_engine(generation.load_model(path, precision=precision), "cpu", "auto")
+        assert greedy(engine) == want and engine.ran_as == "stored"
+        assert built(capsys) == build
