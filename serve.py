@@ -51,8 +51,8 @@ from decode import move_cache_slots  # noqa: E402
 from draftmodel import ModelDrafter  # noqa: E402
 from generation import FiniteWatch, Generator, Speculation, setup_distributed  # noqa: E402
 from grammar import DEAD_END, Constraint, SchemaError, apply_bitmask, check_schema  # noqa: E402
-from speculate import NO_PARENT, AutoChoice, NgramDrafter, Speculator, Tree, keep_paths, tree_inputs, verify, \
-    verify_greedy  # noqa: E402
+from speculate import NO_PARENT, AutoChoice, NgramDrafter, Speculator, Tree, constrain, keep_paths, tree_inputs, \
+    verify, verify_greedy  # noqa: E402
 from tp import RanksFailed  # noqa: E402
 
 log = logging.getLogger("serve")
@@ -857,14 +857,10 @@ class Scheduler:
         """Each request's next token from its row of logits [n, V] (take() on its root alone): argmax, or drawn
         from its own generator; from the logits its grammar allows, if it has one. The argmax and the look for
         broken logits cover all rows at once, one transfer to the host: a greedy row without a grammar needs no more."""
-        for r, row, argmax in zip(requests, logits, checked_argmax(logits)):
-            self.take(r, *self.constrain(r, Tree.rooted_at(r.tokens[-1] if r.tokens else r.prompt_ids[-1])),
-                      row[None], [argmax])
-
-    def constrain(self, r: Request, tree: Tree) -> tuple:
-        """(r's tree without the drafts its grammar forbids, the grammar's bitmask at its nodes: Constraint.prune);
-        (tree, None) for a request without a grammar."""
-        return r.constraint.prune(tree) if r.constraint is not None else (tree, None)
+        roots = [Tree.rooted_at(r.tokens[-1] if r.tokens else r.prompt_ids[-1]) for r in requests]
+        trees, masks = constrain(roots, [r.constraint for r in requests], [True] * len(requests))
+        for r, tree, bitmask, row, argmax in zip(requests, trees, masks, logits, checked_argmax(logits)):
+            self.take(r, tree, bitmask, row[None], [argmax])
 
     def take(self, r: Request, tree: Tree, bitmask: Optional[torch.Tensor], logits: torch.Tensor, argmax: list):
         """r's verdict on its tree (verdict()) and its tokens handed on (hand_out())."""
@@ -967,11 +963,12 @@ class Scheduler:
         started = time.perf_counter()
         trees, view = self.draft_trees(live, size, arm)
         drafting = [r for r in live if self.drafts(r)]
-        masks = [None] * size
-        for r in live:  # drafts a grammar forbids cut; the target's logits at the kept nodes masked in accept_row
-            trees[r.slot], masks[r.slot] = self.constrain(r, trees[r.slot])
-            if view is not None and r in drafting:
-                view[0][r.slot] = trees[r.slot]  # the draft model is told of the tree verified
+        constraints = {r.slot: r.constraint for r in live}
+        # drafts a grammar forbids cut; the target's logits at the kept nodes masked in accept_row
+        trees, masks = constrain(trees, [constraints.get(b) for b in range(size)], [True] * size)
+        if view is not None:  # the draft model is told of the trees verified
+            for r in drafting:
+                view[0][r.slot] = trees[r.slot]
         if not self.warming and all(len(trees[r.slot].tokens) == 1 for r in drafting):
             return self.plain_step(live, size)  # nothing drafted (no n-gram matched): a plain step costs less
         drafted = time.perf_counter()

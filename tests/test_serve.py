@@ -245,7 +245,7 @@ def test_nan_or_infinite_logits_fail_only_their_request(monkeypatch):
     failed, accepted, looks = [], [], []
     stub = SimpleNamespace(fail=lambda r, error: failed.append((r, error.message)),
                            accept=lambda r, token, scores=None: accepted.append((r, token)))
-    for name in ("take", "verdict", "hand_out", "constrain"):  # the scheduler's own, on the stub
+    for name in ("take", "verdict", "hand_out"):  # the scheduler's own, on the stub
         setattr(stub, name, getattr(serve.Scheduler, name).__get__(stub))
     finite = serve.chosen_is_finite
     monkeypatch.setattr(serve, "chosen_is_finite", lambda *args: looks.append(args) or finite(*args))
