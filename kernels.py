@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -214,13 +215,15 @@ def use_stored_layout(model: torch.nn.Module):
     Deterministic, unlike use_fast_weight_layout's timed choice: the same model and machine get the same layout."""
     if any(t.device.type == "cpu" for t in model.parameters()):
         a8_kernels()  # built (once per source) before native_f32_linear reads whether it is
+    mappings = file_mappings()  # read once: every weight below was made before
     for module in model.modules():
         weight = module.weight if isinstance(module, torch.nn.Linear) else None
         if weight is None:
             continue
         if hasattr(module, "use_blocks") and native_f32_linear(weight):
             module.use_blocks(pack_f32(weight))
-            release_file_pages(model)  # weight by weight: the file's pages and the blocks never all at once
+            # weight by weight: the file's pages and the blocks never all at once
+            drop_file_pages([weight], mappings, model)
         elif column_major_is_faster(weight) and weight.stride() != (1, weight.shape[0]):
             weight.data = weight.data.t().contiguous().t()
     release_file_pages(model)
@@ -263,12 +266,22 @@ def storage_range(t: Tensor) -> tuple:
     return s.data_ptr(), s.data_ptr() + s.nbytes()
 
 
-def drop_file_pages(tensors):
+def used_ranges(model: torch.nn.Module) -> list:
+    """[(start, end)] of the CPU memory the model's parameters and buffers read, sorted."""
+    return sorted(storage_range(t) for t in itertools.chain(model.parameters(), model.buffers())
+                  if t.device.type == "cpu" and t.untyped_storage().nbytes())
+
+
+def drop_file_pages(tensors, mappings: Optional[list] = None, model: Optional[torch.nn.Module] = None):
     """Drop the resident file pages of these tensors (read once from a memory-mapped checkpoint and done with; the
-    tensors stay valid and read the file again if used)."""
-    mappings = file_mappings()
+    tensors stay valid and read the file again if used), except where a tensor of `model` still reads them (a tied
+    table). mappings: file_mappings() read once for many calls (weight by weight), after these tensors were made:
+    one inside a file's range then is inside it still, while held (default: read now)."""
+    mappings = file_mappings() if mappings is None else mappings
+    used = used_ranges(model) if model is not None else []
     drop_pages([(a, b) for a, b in map(storage_range, tensors)
-                if any(start <= a and b <= end for start, end in mappings)])
+                if any(start <= a and b <= end for start, end in mappings)
+                and not any(c < b and d > a for c, d in used)])
 
 
 def release_file_pages(model: torch.nn.Module):
@@ -276,8 +289,7 @@ def release_file_pages(model: torch.nn.Module):
     of the model reads any more: weights packed, stacked or converted into memory of their own were read once, and
     their file pages would count in the process's memory beside the copy until the file is unmapped. Only private
     file mappings the model reads from, outside every range a tensor of the model still uses."""
-    used = sorted(storage_range(t) for t in itertools.chain(model.parameters(), model.buffers())
-                  if t.device.type == "cpu" and t.untyped_storage().nbytes())
+    used = used_ranges(model)
     for start, end in file_mappings():
         if not any(a < end and b > start for a, b in used):
             continue  # a file the model does not read from (a library, or a checkpoint it no longer uses at all)

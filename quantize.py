@@ -298,10 +298,13 @@ def pack_for_device(model: nn.Module):
     their CPU kernel's layout."""
     fuse_gate_up(model)
     kernels.release_file_pages(model)
+    mappings = kernels.file_mappings()  # read once: every weight below was made before
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)) and not module.packed_for_cpu:
+            read = list(module.buffers())
             module.pack_for_cpu()
-            kernels.release_file_pages(model)  # the file's pages of a weight now in a layout of its own
+            kernels.drop_file_pages(read, mappings, model)  # the file's pages of a weight now in a layout of its own
+    kernels.release_file_pages(model)  # and the pages that weights packed on both sides of them shared
 
 
 def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict:
@@ -311,6 +314,7 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
     with torch.device("meta"):
         model = Transformer(args)
     out = dict(state_dict)
+    mappings = kernels.file_mappings()  # read once: every weight below was made before
     table, output = state_dict.get("tok_embeddings.weight"), out.pop("output.weight", None)
     # converters may write a tied output beside the table (the same storage): it is still the table's rows
     tied = args.tie_word_embeddings and (output is None or output is table or torch.equal(output, table))
@@ -318,7 +322,7 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
         out["output.weight"] = output
     if scheme.get("embedding") == "int8":
         out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(state_dict["tok_embeddings.weight"])
-        kernels.drop_file_pages([state_dict["tok_embeddings.weight"]])
+        kernels.drop_file_pages([state_dict["tok_embeddings.weight"]], mappings)
     for name, linear, cls, _ in list(quantized_layers(model, scheme)):
         key = f"{name}.weight"
         if name == "output" and tied:
@@ -335,7 +339,7 @@ def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict
         if not bool(torch.isfinite(scales).all()):  # a NaN or infinite weight makes its row's scale one
             raise UserError(f"{key} holds NaN or infinite values: the weights are broken; re-convert or "
                             f"re-download the checkpoint")
-        kernels.drop_file_pages([weight])  # read once: the file's pages need not stay beside the quantized copy
+        kernels.drop_file_pages([weight], mappings)  # read once: its file pages need not stay beside the quantized copy
     return out
 
 

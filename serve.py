@@ -51,8 +51,8 @@ from decode import move_cache_slots  # noqa: E402
 from draftmodel import ModelDrafter  # noqa: E402
 from generation import FiniteWatch, Generator, Speculation, setup_distributed  # noqa: E402
 from grammar import DEAD_END, Constraint, SchemaError, apply_bitmask, check_schema  # noqa: E402
-from speculate import NO_PARENT, AutoChoice, NgramDrafter, Speculator, Tree, keep_paths, tree_inputs, verify, \
-    verify_greedy  # noqa: E402
+from speculate import NO_PARENT, AutoChoice, NgramDrafter, Speculator, Tree, constrain, keep_paths, tree_inputs, \
+    verify, verify_greedy  # noqa: E402
 from tp import RanksFailed  # noqa: E402
 
 log = logging.getLogger("serve")
@@ -262,11 +262,21 @@ def logprob_entry(scores: torch.Tensor, token: int, top: int, text_of) -> dict:
     return {key: out[key] for key in ("token", "logprob", "bytes", "top_logprobs")}
 
 
-def accept_row(r: Request, tree: Tree, logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> tuple:
+def checked_argmax(logits: torch.Tensor) -> list:
+    """The argmax of each row of logits [..., V] on the host (one transfer), -1 where the logit it picks is NaN or
+    +inf (broken weights: argmax picks such a value, so the chosen logit tells)."""
+    argmax = logits.argmax(-1)  # [...]
+    finite = chosen_is_finite(logits.reshape(-1, logits.shape[-1]), argmax.flatten()).view(argmax.shape)
+    return torch.where(finite, argmax, -1).tolist()
+
+
+def accept_row(r: Request, tree: Tree, logits: torch.Tensor, argmax: list,
+               bitmask: Optional[torch.Tensor] = None) -> tuple:
     """Request r's verdict on one step: (its accepted path, node indices of `tree` from the root down, and the next
-    token) from the target's logits at each node of the tree, [nodes, V]; (None, None) where the logits of a node
-    it reads are NaN or +inf (broken weights: argmax picks such a value, so the chosen logit tells). A plain step is
-    a tree of its root alone. Every token a request gets is decided here, plain or speculative.
+    token) from the target's logits at each node of the tree, [nodes, V], and their checked_argmax (which a step
+    takes for all its rows at once: a greedy row without a grammar needs no more); (None, None) where the logits of
+    a node it reads are NaN or +inf (broken weights). A plain step is a tree of its root alone. Every token a
+    request gets is decided here, plain or speculative.
     Greedy: the longest path the target's argmax agrees with, then its argmax (speculate.verify_greedy: exactly
     plain greedy decoding's tokens). Sampled: speculative sampling with r's own settings (speculate.verify, lossless
     for any proposal; a deterministic child is a point mass); with nothing drafted, one draw from r's own generator,
@@ -274,20 +284,18 @@ def accept_row(r: Request, tree: Tree, logits: torch.Tensor, bitmask: Optional[t
     bitmask: r's grammar's [m, words] at the tree's first m nodes (Constraint.prune): their logits masked first, on a
     copy (the raw ones are the logprobs'); a node where the grammar allows nothing keeps its own (whatever it picks
     there, the grammar refuses it and the answer ends: Scheduler.take)."""
-    logits = logits.float()
     real = [i for i, parent in enumerate(tree.parents) if parent != NO_PARENT]
-    argmax = logits.argmax(-1)  # [nodes]
-    if not bool(chosen_is_finite(logits[real], argmax[real]).all()):
+    if any(argmax[i] < 0 for i in real):
         return None, None
     if bitmask is not None:
         alive = bitmask.any(-1).nonzero().flatten().tolist()
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         masked = logits[alive].contiguous()
         apply_bitmask(masked, bitmask[alive], r.constraint.vocab_size)
         logits[alive] = masked
-        argmax = logits.argmax(-1)
+        argmax = logits.argmax(-1).tolist()
     if r.sampling.temperature == 0:
-        return verify_greedy(tree, argmax.tolist())
+        return verify_greedy(tree, argmax)
     if len(real) == 1:
         return [], draw(logits_to_probs(logits[0], r.sampling), r.generator)
     return verify(tree, logits_to_probs(logits, r.sampling))
@@ -816,7 +824,7 @@ class Scheduler:
             r.finish_reason = "length"
             self.release(r, "length")
         else:
-            self.pick([(r, last)])
+            self.pick([r], last[None])
 
     def draft_reads(self, r: Request):
         """The draft model reads r's prompt as far as the target has (cache row 0), so that its row is in step when
@@ -843,33 +851,31 @@ class Scheduler:
         self.metrics.rows_stepped += len(live)
         for r in live:  # a request that may draft: its plain steps count in its tokens per target forward
             self.count_speculative(r, 1, 1)
-        self.pick([(r, logits[r.slot, 0]) for r in live])
+        self.pick(live, logits[[r.slot for r in live], 0])
 
-    def pick(self, rows: list):
-        """(request, its logits [V]) -> each request's next token (take() on its root alone): argmax, or drawn
-        from its own generator; from the logits its grammar allows, if it has one."""
-        for r, logits in rows:
-            self.take(r, *self.constrain(r, Tree.rooted_at(r.tokens[-1] if r.tokens else r.prompt_ids[-1])),
-                      logits[None])
+    def pick(self, requests: list, logits: torch.Tensor):
+        """Each request's next token from its row of logits [n, V] (take() on its root alone): argmax, or drawn
+        from its own generator; from the logits its grammar allows, if it has one. The argmax and the look for
+        broken logits cover all rows at once, one transfer to the host: a greedy row without a grammar needs no more."""
+        roots = [Tree.rooted_at(r.tokens[-1] if r.tokens else r.prompt_ids[-1]) for r in requests]
+        trees, masks = constrain(roots, [r.constraint for r in requests], [True] * len(requests))
+        for r, tree, bitmask, row, argmax in zip(requests, trees, masks, logits, checked_argmax(logits)):
+            self.take(r, tree, bitmask, row[None], [argmax])
 
-    def constrain(self, r: Request, tree: Tree) -> tuple:
-        """(r's tree without the drafts its grammar forbids, the grammar's bitmask at its nodes: Constraint.prune);
-        (tree, None) for a request without a grammar."""
-        return r.constraint.prune(tree) if r.constraint is not None else (tree, None)
-
-    def take(self, r: Request, tree: Tree, bitmask: Optional[torch.Tensor], logits: torch.Tensor):
+    def take(self, r: Request, tree: Tree, bitmask: Optional[torch.Tensor], logits: torch.Tensor, argmax: list):
         """r's verdict on its tree (verdict()) and its tokens handed on (hand_out())."""
-        verdict = self.verdict(r, tree, bitmask, logits)
+        verdict = self.verdict(r, tree, bitmask, logits, argmax)
         if verdict is not None:
             self.hand_out(r, tree, *verdict, logits)
 
-    def verdict(self, r: Request, tree: Tree, bitmask: Optional[torch.Tensor], logits: torch.Tensor):
-        """(accepted path, next token) of r's tree from the target's logits there [nodes, V] (accept_row), or None
-        where r ends instead: its grammar allows nothing at the root, or the logits are broken (r fails)."""
+    def verdict(self, r: Request, tree: Tree, bitmask: Optional[torch.Tensor], logits: torch.Tensor, argmax: list):
+        """(accepted path, next token) of r's tree from the target's logits there [nodes, V] and their checked_argmax
+        (accept_row), or None where r ends instead: its grammar allows nothing at the root, or the
+        logits are broken (r fails)."""
         if bitmask is not None and not bool(bitmask[0].any()):  # the grammar allows nothing here: r ends
             self.end_early(r, r.constraint.note or DEAD_END)
             return None
-        path, token = accept_row(r, tree, logits, bitmask)
+        path, token = accept_row(r, tree, logits, argmax, bitmask)
         if token is None:
             self.fail(r, broken_weights())
             return None
@@ -957,11 +963,12 @@ class Scheduler:
         started = time.perf_counter()
         trees, view = self.draft_trees(live, size, arm)
         drafting = [r for r in live if self.drafts(r)]
-        masks = [None] * size
-        for r in live:  # drafts a grammar forbids cut; the target's logits at the kept nodes masked in accept_row
-            trees[r.slot], masks[r.slot] = self.constrain(r, trees[r.slot])
-            if view is not None and r in drafting:
-                view[0][r.slot] = trees[r.slot]  # the draft model is told of the tree verified
+        constraints = {r.slot: r.constraint for r in live}
+        # drafts a grammar forbids cut; the target's logits at the kept nodes masked in accept_row
+        trees, masks = constrain(trees, [constraints.get(b) for b in range(size)], [True] * size)
+        if view is not None:  # the draft model is told of the trees verified
+            for r in drafting:
+                view[0][r.slot] = trees[r.slot]
         if not self.warming and all(len(trees[r.slot].tokens) == 1 for r in drafting):
             return self.plain_step(live, size)  # nothing drafted (no n-gram matched): a plain step costs less
         drafted = time.perf_counter()
@@ -970,7 +977,9 @@ class Scheduler:
         started = max(started, getattr(self.drafter, "caught_up", 0.0))
         pos = [r.position if self.decoding(r) else 0 for r in self.rows[:size]]
         logits = self.verify_trees(trees, pos, arm[1] + 1)  # [size, N + 1, V]
-        results = {r.slot: self.verdict(r, trees[r.slot], masks[r.slot], logits[r.slot]) for r in live}
+        argmax = checked_argmax(logits)  # every row's, one transfer to the host
+        results = {r.slot: self.verdict(r, trees[r.slot], masks[r.slot], logits[r.slot], argmax[r.slot])
+                   for r in live}
         paths = [(results.get(b) or (None, None))[0] for b in range(size)]
         keep_paths(self.engine.move_cache_slots, paths, pos)
         if view is not None:  # the draft model keeps the accepted nodes it read, and will read the rest

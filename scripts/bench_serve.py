@@ -92,18 +92,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_ready(port: int, process: subprocess.Popen, timeout: float, log=None, name: str = "serve.py"):
-    """Until /health answers 200; the server's own `error:` line (else its last line; its output, in `log`) if it
-    exits first."""
+def wait_ready(port: int, processes: list, timeout: float, log=None, name: str = "serve.py"):
+    """Until /health answers 200 (the server on `port`, started as `processes`: one, or one per rank); if any of
+    them exits first, the server's own `error:` line (else its last line; its output, a binary file, in `log`)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if process.poll() is not None:
+        for i, process in enumerate(processes):
+            if process.poll() is None:
+                continue
             said = []
             if log is not None:
                 log.seek(0)
                 lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
                 said = [line[len("error: "):] for line in lines if line.startswith("error: ")] or lines[-1:]
-            raise SystemExit(f"error: {name} exited with status {process.returncode} before it was ready"
+            which = f" (process {i + 1} of {len(processes)})" if len(processes) > 1 else ""
+            raise SystemExit(f"error: {name}{which} exited with status {process.returncode} before it was ready"
                              + (f" ({said[-1]})" if said else ""))
         try:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
@@ -272,7 +275,7 @@ def launched(argv: list, port: int, name: str, env: dict = None):
         log.close()
         raise SystemExit(f"error: could not start {name}: {e}")
     try:
-        yield lambda: wait_ready(port, process, 600, log, name) or port
+        yield lambda: wait_ready(port, [process], 600, log, name) or port
     finally:
         process.terminate()
         try:

@@ -481,5 +481,13 @@ def test_bench_serve_passes_on_the_servers_own_line_when_it_stops_before_ready(t
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('error: no such port')"], stderr=log)
         process.wait()
-        with pytest.raises(SystemExit, match=r"status 1 before it was ready \(no such port\)"):
-            bench_serve.wait_ready(1, process, timeout=30, log=log)
+        with pytest.raises(SystemExit, match=r"serve.py exited with status 1 before it was ready \(no such port\)"):
+            bench_serve.wait_ready(1, [process], timeout=30, log=log)
+        # a server of several processes (ranks): any one that exits first is the failure
+        alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            with pytest.raises(SystemExit, match=r"serve.py \(process 2 of 2\) exited with status 1 .*no such port"):
+                bench_serve.wait_ready(1, [alive, process], timeout=30, log=log)
+        finally:
+            alive.kill()
+            alive.wait()

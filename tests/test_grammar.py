@@ -301,7 +301,7 @@ def test_the_servers_draw_masks_before_top_k(server, monkeypatch):
     monkeypatch.setattr(scheduler, "accept", lambda r, token, scores=None: drawn.append(token))
     r = serve.Request([1], 8, sampling, seed=0, constraint=constraint)
     for _ in range(3000):
-        scheduler.pick([(r, logits)])
+        scheduler.pick([r], logits[None])
         constraint.matcher.rollback(1)
     counts = torch.bincount(torch.tensor(drawn), minlength=vocab)
     right = logits_to_probs(logits.masked_fill(~allowed, -float("inf")), sampling).double()

@@ -86,7 +86,8 @@ def resident_and_read(model, path) -> tuple:
 def test_a_memory_mapped_checkpoints_pages_go_once_its_weights_are_laid_out_anew(random_target, monkeypatch):
     """After use_stored_layout the file pages of a checkpoint loaded with mmap stay resident only where a tensor of
     the model still reads them (the embeddings, norms): weights packed or copied into a layout of their own leave
-    none behind (without kernels.release_file_pages they would); and the model computes what it did before."""
+    none behind (without kernels.drop_file_pages and release_file_pages they would), and /proc/self/maps is read a
+    fixed number of times, not once per weight; and the model computes what it did before."""
     import generation
     ids, pos = tokens(12), torch.arange(12).view(1, -1)
     size = random_target.stat().st_size
@@ -98,13 +99,17 @@ def test_a_memory_mapped_checkpoints_pages_go_once_its_weights_are_laid_out_anew
             for t in itertools.chain(model.parameters(), model.buffers()):
                 t.sum()  # every page read, as packing them does
             assert resident_and_read(model, random_target)[0] >= 0.9 * size
+            reads, read_maps = [], kernels.file_mappings
             with monkeypatch.context() as patch:
-                if not release:
+                patch.setattr(kernels, "file_mappings", lambda: reads.append(1) or read_maps())
+                if not release:  # neither each weight's pages as its blocks are made nor those left at the end
                     patch.setattr(kernels, "release_file_pages", lambda model: None)
+                    patch.setattr(kernels, "drop_file_pages", lambda *args: None)
                 kernels.use_stored_layout(model)
             resident, read = resident_and_read(model, random_target)
             if kernels.native_f32_linear(torch.zeros(2, 2)) or release:
                 assert (resident <= read) == release, (resident, read, size)
+            assert len(reads) <= 2
             torch.testing.assert_close(model(ids, pos), full, rtol=1e-5, atol=1e-5)
 
 

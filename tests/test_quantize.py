@@ -466,3 +466,36 @@ def test_quantizing_lets_go_of_each_weights_file_pages(random_target):
     assert kept and all("norm" in name for name in kept)
     after = resident()
     assert after <= sum(state_dict[name].nbytes for name in kept) + 4 * len(kept) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
+def test_packing_lets_go_of_each_weights_file_pages_as_it_packs(tmp_path, tokenizer_model, monkeypatch):
+    """pack_for_device drops the file pages of each weight of the memory-mapped checkpoint right after packing it
+    (its pages and all the packed copies are never in memory at once), and reads this process's mappings a few times,
+    not once per weight (hundreds of reads for an 8B model)."""
+    import itertools
+    import kernels
+    from test_kernels import file_mappings
+    path = quantized_file(write_checkpoint(tmp_path, tokenizer_model, dim=256, n_layer=3, n_head=4, n_local_heads=2,
+                                           vocab_size=512, block_size=64), "int8")
+    with monkeypatch.context() as patch:
+        patch.setattr(quantize, "pack_for_device", lambda model: None)
+        model = generation.load_model(path)
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        t.sum()  # every page read, as packing them does
+    pointer = model.norm.weight.untyped_storage().data_ptr()
+    mapping = next((a, b) for a, b in file_mappings(path) if a <= pointer < b)
+    seen, reads, pack, read_maps = [], [], quantize.Int8Linear.pack_for_cpu, kernels.file_mappings
+
+    def packing(module):  # the file's resident bytes before each weight is packed, and the weight's if the file's
+        in_file = mapping[0] <= module.weight.data_ptr() < mapping[1]
+        seen.append((file_mappings(path)[mapping], module.weight.nbytes if in_file else 0))
+        pack(module)
+    monkeypatch.setattr(quantize.Int8Linear, "pack_for_cpu", packing)
+    monkeypatch.setattr(kernels, "file_mappings", lambda: reads.append(1) or read_maps())
+    quantize.pack_for_device(model)
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert len(seen) == 3 * 4 + 1 and sum(n for _, n in seen) > 0.5 * seen[0][0]
+    for k, (resident, _) in enumerate(seen):
+        assert resident <= seen[0][0] - sum(n for _, n in seen[:k]) + 4 * k * page, k
+    assert len(reads) <= 3

@@ -237,22 +237,27 @@ def test_the_answer_text_grows_as_the_whole_answer_decodes(tokenizers):
             assert r.cut >= len(ids) - 3 * serve.MARGIN  # and the text it decodes again stays short
 
 
-def test_nan_or_infinite_logits_fail_only_their_request():
+def test_nan_or_infinite_logits_fail_only_their_request(monkeypatch):
     """A row whose logits hold a NaN or +inf fails its own request (one 500 line); the rows beside it, and a -inf
-    logit (a token ruled out), go on."""
+    logit (a token ruled out), go on: greedy rows with their argmax. The step looks for broken logits and at the
+    argmax once for all its rows (one transfer to the host), not row by row."""
     from types import SimpleNamespace
-    failed, accepted = [], []
+    failed, accepted, looks = [], [], []
     stub = SimpleNamespace(fail=lambda r, error: failed.append((r, error.message)),
-                           accept=lambda r, token, scores=None: accepted.append(r))
-    for name in ("take", "verdict", "hand_out", "constrain"):  # the scheduler's own, on the stub
+                           accept=lambda r, token, scores=None: accepted.append((r, token)))
+    for name in ("take", "verdict", "hand_out"):  # the scheduler's own, on the stub
         setattr(stub, name, getattr(serve.Scheduler, name).__get__(stub))
+    finite = serve.chosen_is_finite
+    monkeypatch.setattr(serve, "chosen_is_finite", lambda *args: looks.append(args) or finite(*args))
     requests = [serve.Request([1], 5, Sampling(temperature=t)) for t in (0, 0, 0.8, 0.8, 0, 0.8)]
     logits = torch.randn(6, 50)
     logits[1, 7], logits[3, 2], logits[4, 3], logits[5, 0] = float("nan"), float("inf"), -float("inf"), float("nan")
-    serve.Scheduler.pick(stub, [(r, row) for r, row in zip(requests, logits)])
+    serve.Scheduler.pick(stub, requests, logits)
     assert [r for r, _ in failed] == [requests[1], requests[3], requests[5]]
     assert all("NaN or infinite" in message for _, message in failed)
-    assert accepted == [requests[0], requests[2], requests[4]]
+    assert [r for r, _ in accepted] == [requests[0], requests[2], requests[4]]
+    assert [token for r, token in accepted if r.sampling.temperature == 0] == logits[[0, 4]].argmax(-1).tolist()
+    assert len(looks) == 1
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(server):
@@ -1138,8 +1143,8 @@ def verified(scheduler, monkeypatch) -> list:
         batch[0] = x.shape[0]
         return forward(x, *args, **kwargs)
 
-    def spy(r, tree, logits, bitmask=None):
-        path, token = accept_row(r, tree, logits, bitmask)
+    def spy(r, tree, logits, argmax, bitmask=None):
+        path, token = accept_row(r, tree, logits, argmax, bitmask)
         drafted = sum(parent != speculate.NO_PARENT for parent in tree.parents) - 1
         seen.append((r, drafted, len(path or ()), batch[0]))
         return path, token
@@ -1286,9 +1291,9 @@ def exact_pairs(model, prompt: list, sampling: Sampling) -> torch.Tensor:
     return joint.flatten()
 
 
-def same_settings_everywhere(r, tree, logits, bitmask=None, accept_row=serve.accept_row):
+def same_settings_everywhere(r, tree, logits, argmax, bitmask=None, accept_row=serve.accept_row):
     """Broken: every sampled row verified with the first row's settings, not its own."""
-    return accept_row(dataclasses.replace(r, sampling=T1_K4) if r.sampling.temperature else r, tree, logits)
+    return accept_row(dataclasses.replace(r, sampling=T1_K4) if r.sampling.temperature else r, tree, logits, argmax)
 
 
 SLOW_CASES = ("broken: rows verified with one row's settings",)  # a chi-square run each: one broken case stays in the quick loop

@@ -20,6 +20,7 @@ import torch
 
 import serve
 import tp
+from bench_serve import wait_ready
 from decode import sdpa_context
 from helpers import ROOT, copy_checkpoint
 from test_serve import Running, alone, library  # noqa: F401 (a fixture)
@@ -125,21 +126,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_ready(port: int, processes: list, log):
-    deadline = time.time() + 300
-    while True:
-        assert all(p.poll() is None for p in processes), log.read_text()
-        assert time.time() < deadline, log.read_text()
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            connection.request("GET", "/health")
-            if connection.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-
-
 def metric(port: int, name: str) -> float:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     connection.request("GET", "/metrics")
@@ -170,7 +156,8 @@ def test_two_ranks_answer_concurrent_clients_as_one_process(random_target, near_
              "--draft_checkpoint_path", str(near_draft), "--speculate_k", "3", "--tree_nodes", "6"],
             cwd=ROOT, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_ready(port, [process], log)
+        with open(log, "rb") as said:
+            wait_ready(port, [process], 300, said, "torchrun")
         bodies, want = requests(library)
         with ThreadPoolExecutor(5) as pool:
             replies = list(pool.map(lambda kb: post(port, *kb), bodies + [("chat", {"messages": []})]))
@@ -210,7 +197,8 @@ def test_a_killed_rank_ends_the_server_with_a_503_and_one_line(random_target, li
                 env=clean_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(master))))
     try:
-        wait_ready(port, processes, logs[0])
+        with open(logs[0], "rb") as said:
+            wait_ready(port, processes, 300, said)
         whole = []
         thread = threading.Thread(target=lambda: whole.append(post(port, "completions", {
             "prompt": "def main(", "max_tokens": 200, "temperature": 0})))
