@@ -196,20 +196,34 @@ def context_keys(tokens, lengths, keys):
     return (keys[at] == key) & (lengths <= MAX_KEYED), at
 
 
+TINY_ARGS = ModelArgs(dim=16, n_layer=2, n_head=2, n_local_heads=1, intermediate_size=32, vocab_size=VOCAB,
+                      block_size=64)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_target():
+    """The target's table (the same whatever the draft, so built once: it is most of tiny_tables' work), its
+    weights before sharpening, and the random state the drafts' noise is drawn from."""
+    torch.manual_seed(0)
+    target = Transformer(TINY_ARGS).requires_grad_(False)
+    Transformer(TINY_ARGS)  # the draft's initialization: advances the random state as a draft built here would
+    weights = {name: w.clone() for name, w in target.state_dict().items()}
+    state = torch.get_rng_state()
+    target.output.weight.mul_(3.0)
+    return TableModel(target, depth=3), weights, state
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_tables(draft_noise: float = 0.5, draft_sharpen: float = 2.0):
     """(target, draft) TableModels of two tiny-vocabulary Transformers. The draft is deliberately different:
     the target's weights with heavy noise (by default it proposes the target's token about half the time);
     a noisier, more confident draft gets many first children rejected, which puts the later siblings to work."""
-    torch.manual_seed(0)
-    args = ModelArgs(dim=16, n_layer=2, n_head=2, n_local_heads=1, intermediate_size=32, vocab_size=VOCAB,
-                     block_size=64)
-    target, draft = Transformer(args).requires_grad_(False), Transformer(args).requires_grad_(False)
-    draft.load_state_dict({name: w + draft_noise * w.std() * torch.randn_like(w)
-                           for name, w in target.state_dict().items()})
-    target.output.weight.mul_(3.0)
+    target, weights, state = tiny_target()
+    draft = Transformer(TINY_ARGS).requires_grad_(False)
+    torch.set_rng_state(state)
+    draft.load_state_dict({name: w + draft_noise * w.std() * torch.randn_like(w) for name, w in weights.items()})
     draft.output.weight.mul_(draft_sharpen)
-    return TableModel(target, depth=3), TableModel(draft, depth=2)
+    return target, TableModel(draft, depth=2)
 
 
 def speculative_draws(tree_nodes: int, sampling: Sampling, ngram: int = 0, seed: int = 0, draft=(0.5, 2.0),

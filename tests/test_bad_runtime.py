@@ -409,12 +409,17 @@ def test_the_prompts_forward_beyond_memory_is_refused_before_it_runs(random_targ
     assert model.max_batch_size == 64
 
 
-@pytest.mark.slow  # lm-eval indexes its tasks: seconds
+@pytest.mark.slow  # lm-eval imports: seconds
 def test_eval_refuses_an_unknown_task_and_a_batch_beyond_memory_before_scoring(random_target, tmp_path, monkeypatch):
     """An unknown lm-eval task was named only after the whole perplexity run; eval's caches were allocated unchecked
     (a huge --batch_size was killed by the kernel), and a batch larger than the text's chunks only held memory."""
     pytest.importorskip("lm_eval")
+    import lm_eval.tasks
+    from types import SimpleNamespace
     import eval as evaluation
+    # lm-eval's own index of its tasks (seconds) knows no such task either: test_eval's lm-eval run checks the name
+    # against it, this checks that the name is checked before scoring
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path=None: SimpleNamespace(all_tasks=["a_task"]))
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat and looked at the dog. " * 200)
     scored = []

@@ -315,6 +315,11 @@ def test_lm_eval_runs_a_local_task_offline(hf_checkpoint, adapter, tmp_path, mon
     """A multiple-choice, a rolling log-likelihood and a generation task from YAML files, run by
     lm_eval.simple_evaluate with no network: each metric is the one our adapter's answers give."""
     pytest.importorskip("lm_eval")
+    import lm_eval.tasks
+    managers, index = {}, lm_eval.tasks.TaskManager
+    # each run indexes lm-eval's thousands of task files (seconds): the second run here reuses the first's index
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path=None: managers.get(include_path) or
+                        managers.setdefault(include_path, index(include_path=include_path)))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = tmp_path / "docs.jsonl"

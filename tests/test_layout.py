@@ -2,6 +2,7 @@
 speculate <- draftmodel <- drafthead, crossdraft <- generation (the library) <- generate.py (the command line) <-
 nothing: scripts and tests import the library, never the command line."""
 import ast
+import functools
 import subprocess
 import sys
 
@@ -14,10 +15,16 @@ LIBRARY = ORDER[:ORDER.index("generation") + 1]
 ENTRY_POINTS = ORDER[len(LIBRARY):]  # run, never imported
 
 
+@functools.cache
+def parsed(path) -> ast.Module:
+    """The file's syntax tree: every test of this module walks the same files."""
+    return ast.parse(path.read_text())
+
+
 def top_level_imports(path) -> set:
     """Names of the repository's top-level modules that the file imports (anywhere in it, lazily or not)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -97,7 +104,7 @@ def function_lengths(path) -> list:
                 walk(child, prefix + child.name + ".")
             else:
                 walk(child, prefix)
-    walk(ast.parse(path.read_text()), "")
+    walk(parsed(path), "")
     return found
 
 

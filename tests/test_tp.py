@@ -100,6 +100,9 @@ def worker_runs(tmp_path_factory, random_target, close_draft, odd_vocab_target, 
             "greedy_ngram": argv_for(random_target, "--temperature", 0, "--draft_ngram", 2, "--speculate_k", 3,
                                 "--tree_nodes", 4, "--num_samples", 2)}
     runs["greedy_int4"] = argv_for(quantized_targets["int4"], "--temperature", 0, *chain(close_draft))
+    runs["greedy_int8"] = argv_for(quantized_targets["int8"], "--temperature", 0, *chain(close_draft))
+    runs["greedy_chain"] = argv_for(random_target, "--temperature", 0, *chain(close_draft))
+    runs["greedy_tree"] = argv_for(random_target, "--temperature", 0, *tree(close_draft))
     torchrun(ROOT / "tests/tp_worker.py", out, json.dumps([str(random_target), str(odd_vocab_target)]),
              json.dumps(runs))
     return runs, [torch.load(out / f"rank{r}.pt") for r in range(2)]
@@ -153,26 +156,30 @@ def test_int4_tokens_equal_single_process(worker_runs):
         assert tokens(got) == tokens(want) and got["accept_counts"] == want["accept_counts"]
 
 
-@pytest.mark.parametrize("mode", ["plain", "chain", "tree"])
-def test_greedy_cli_tokens_equal_single_process(mode, random_target, close_draft, tmp_path):
-    extra = ["--temperature", 0, *{"plain": [], "chain": chain(close_draft), "tree": tree(close_draft)}[mode]]
-    want = single_process(random_target, *extra)
-    got, stdout = tensor_parallel(tmp_path, random_target, *extra)
+def test_greedy_cli_tokens_equal_single_process(random_target, tmp_path):
+    """generate.py itself under torchrun: one process's tokens, and only rank 0 prints (the same `say` in every
+    mode: the speculative modes run in the worker's launch, below)."""
+    want = single_process(random_target, "--temperature", 0)
+    got, stdout = tensor_parallel(tmp_path, random_target, "--temperature", 0)
     assert tokens(got) == tokens(want)
-    assert got["world_size"] == 2 and want["world_size"] == 1
-    assert got["speculative"] == want["speculative"]
-    if mode != "plain":
-        assert sum(want["accept_counts"][1:]) > 0
-        assert got["accept_counts"] == want["accept_counts"] and got["target_forwards"] == want["target_forwards"]
+    assert got["world_size"] == 2 and want["world_size"] == 1 and got["speculative"] == want["speculative"]
     assert stdout.count("Loaded ") == 1 and stdout.count("Sample 1:") == 1  # only rank 0 prints
 
 
-def test_int8_cli_tokens_equal_single_process(quantized_targets, close_draft, tmp_path):
-    extra = ["--temperature", 0, *chain(close_draft)]
-    want = single_process(quantized_targets["int8"], *extra)
-    got, _ = tensor_parallel(tmp_path, quantized_targets["int8"], *extra)
-    assert got["quantization"] == want["quantization"] == "int8"
-    assert tokens(got) == tokens(want) and got["accept_counts"] == want["accept_counts"]
+@pytest.mark.parametrize("name", ["greedy_chain", "greedy_tree", "greedy_int8"])
+def test_greedy_speculative_tokens_equal_single_process(worker_runs, name):
+    """A draft's chain and tree on the float target, a chain on the int8 one: the tokens, accepts and target
+    forwards of one process, on every rank."""
+    runs, ranks = worker_runs
+    want = cli.main(runs[name])
+    assert sum(want["accept_counts"][1:]) > 0
+    for rank in ranks:
+        got = rank["runs"][name]
+        assert got["world_size"] == 2 and want["world_size"] == 1
+        assert got["speculative"] == want["speculative"] and got["quantization"] == want["quantization"]
+        assert tokens(got) == tokens(want)
+        assert got["accept_counts"] == want["accept_counts"] and got["target_forwards"] == want["target_forwards"]
+    assert want["quantization"] == ("int8" if name == "greedy_int8" else "none")
 
 
 def test_compiled_tensor_parallel_equals_eager_single_process(tokenizer_model, tmp_path):

@@ -1,5 +1,6 @@
 """scripts/train_tiny.py: the offline pair is complete, loadable, deterministic and reports its figures."""
 import json
+import os
 
 import pytest
 import torch
@@ -84,12 +85,33 @@ def test_checkpoints_load_in_generate(trained_pair):
     assert len(stats["samples"][0]["tokens"]) <= 12 and stats["speculative"] == "draft"
 
 
-def test_deterministic_with_seed(trained_pair, tmp_path):
-    import train_tiny  # importable: the trained_pair fixture put scripts/ on the path
-    train_tiny.main(["--preset", "test", "--out_dir", str(tmp_path), "--seed", "0"])
+SHORT = dict(target_steps=8, draft_steps=8, eval_windows=2, prompts=2,
+             new_tokens=4, imitate_rows=4, imitate_tokens=8)  # a few steps of every stage
+SHORT_RUN = """
+import dataclasses, sys
+import train_tiny
+train_tiny.PRESETS["test"] = dataclasses.replace(train_tiny.PRESETS["test"], **{changes!r})
+train_tiny.main(["--preset", "test", "--out_dir", sys.argv[1], "--seed", "0"])
+"""
+
+
+def test_deterministic_with_seed(tmp_path, monkeypatch):
+    """Two runs with one seed, here and in another process (its own hash seed), write the same weights bit for bit:
+    the test preset cut to a few steps of every stage (the tokenizer, both phases of each training, the imitation
+    data, the evaluation) rather than the trained pair's whole run again."""
+    import dataclasses
+    import subprocess
+    import sys
+    import train_tiny  # importable: scripts/ is on the path (pytest.ini)
+    monkeypatch.setitem(train_tiny.PRESETS, "test", dataclasses.replace(train_tiny.PRESETS["test"], **SHORT))
+    train_tiny.main(["--preset", "test", "--out_dir", str(tmp_path / "here"), "--seed", "0"])
+    done = subprocess.run([sys.executable, "-c", SHORT_RUN.format(changes=SHORT), str(tmp_path / "there")], cwd=ROOT,
+                          capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)])))
+    assert done.returncode == 0, done.stderr[-2000:]
     for name in ("target", "draft", "draft_othertok"):
-        a = torch.load(trained_pair / name / "model.pth", weights_only=True)
-        b = torch.load(tmp_path / name / "model.pth", weights_only=True)
+        a = torch.load(tmp_path / "here" / name / "model.pth", weights_only=True)
+        b = torch.load(tmp_path / "there" / name / "model.pth", weights_only=True)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
