@@ -132,12 +132,13 @@ A8_SOURCE = Path(__file__).with_name("kernels_a8.cpp")
 
 @functools.cache
 def a8_kernels() -> bool:
-    """Whether the a8 operators run here: kernels_a8.cpp built at first use (seconds, once per source, torch version
-    and user) into $TORCH_EXTENSIONS_DIR or ~/.cache/fastgen/ext, then loaded. Without a working C++
+    """Whether the a8 operators run here: kernels_a8.cpp built at first use (seconds, once per source, torch version,
+    checkout and user) into $TORCH_EXTENSIONS_DIR or ~/.cache/fastgen/ext, then loaded. Without a working C++
     compiler, one line on stderr, and the a8 layers use the weight-only kernels."""
     from torch.utils import cpp_extension
     source = A8_SOURCE.read_bytes()
-    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    # the path too: ninja's build file names the source by it, so two checkouts sharing a directory rebuild it in turn
+    digest = hashlib.sha256(source + torch.__version__.encode() + str(A8_SOURCE.resolve()).encode()).hexdigest()[:16]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or \
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastgen" / "ext"
     directory = Path(root) / f"fastgen_a8_{digest}"

@@ -1,5 +1,4 @@
 """Shared fixtures: checkpoints the tests build themselves (random weights, a tiny tokenizer)."""
-import hashlib
 import os
 import subprocess
 import tempfile
@@ -8,14 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, SmallDisk, train_tokenizer, write_checkpoint
+from helpers import SmallDisk, train_tokenizer, write_checkpoint
 
 # the a8 kernels (kernels.a8_kernels) are built once per source and torch version: into the user's own cache, not
-# once per test run; one directory per checkout, as the build names the source file by its path (two checkouts of the
-# same source sharing one would rebuild it for each other, every process waiting on the build)
-CHECKOUT = hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]
+# once per test run
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                                                  / "fastgen" / "ext" / CHECKOUT))
+                                                  / "fastgen" / "ext"))
 # stored graphs are signed with a key in the user's cache directory: tests use their own (subprocesses inherit it)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fastgen-test-cache-")
 torch.set_num_threads(1)  # tiny models: threading only adds overhead (and contention on shared CI cores)
