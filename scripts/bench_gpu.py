@@ -22,8 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from errors import UserError, run_cli  # noqa: E402
-
+from errors import UserError, interruptible_imports, run_cli  # noqa: E402
+interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import bench_scale  # noqa: E402
 import benchlib  # noqa: E402
 from bench_scale import PROMPT, failure, run_measured, say  # noqa: E402
