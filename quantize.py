@@ -285,19 +285,22 @@ def apply_quantization_scheme(model: Transformer, scheme: dict):
 def fuse_gate_up(model: nn.Module):
     """Each feed-forward's quantized w1 and w3 as one product w13 (w1's rows, then w3's): they read the same
     input, and a decode step's products are small enough that each call's fixed cost shows (BENCHMARKS.md,
-    "Integer kernels"). Every output row is computed as before, so the results are the same bits."""
+    "Integer kernels"). Every output row is computed as before, so the results are the same bits. Each pair's file
+    pages go as its stacked copy is made (kernels.drop_file_pages), not all at the end: a load's peak memory."""
+    mappings = kernels.file_mappings()
     for module in model.modules():
         if isinstance(module, FeedForward) and module.w13 is None and type(module.w1) is type(module.w3) \
                 and isinstance(module.w1, (Int8Linear, Int4Linear)) and not module.w1.packed_for_cpu:
+            read = [*module.w1.buffers(), *module.w3.buffers()]
             module.w13 = module.w1.stacked(module.w3)
             del module.w1, module.w3
+            kernels.drop_file_pages(read, mappings, model)
 
 
 def pack_for_device(model: nn.Module):
     """After loading (and sharding): w1 and w3 stacked (fuse_gate_up), and int8 and int4 weights on the CPU in
     their CPU kernel's layout."""
     fuse_gate_up(model)
-    kernels.release_file_pages(model)
     mappings = kernels.file_mappings()  # read once: every weight below was made before
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)) and not module.packed_for_cpu:

@@ -470,8 +470,8 @@ def test_quantizing_lets_go_of_each_weights_file_pages(random_target):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
 def test_packing_lets_go_of_each_weights_file_pages_as_it_packs(tmp_path, tokenizer_model, monkeypatch):
-    """pack_for_device drops the file pages of each weight of the memory-mapped checkpoint right after packing it
-    (its pages and all the packed copies are never in memory at once), and reads this process's mappings a few times,
+    """pack_for_device drops the file pages of each weight of the memory-mapped checkpoint right after stacking or
+    packing it (its pages and all the new copies are never in memory at once), and reads this process's mappings a few times,
     not once per weight (hundreds of reads for an 8B model)."""
     import itertools
     import kernels
@@ -491,10 +491,19 @@ def test_packing_lets_go_of_each_weights_file_pages_as_it_packs(tmp_path, tokeni
         in_file = mapping[0] <= module.weight.data_ptr() < mapping[1]
         seen.append((file_mappings(path)[mapping], module.weight.nbytes if in_file else 0))
         pack(module)
+    stacks, stack = [], quantize.Int8Linear.stacked
+
+    def stacking(module, other):  # likewise before each w1 and w3 are stacked
+        stacks.append((file_mappings(path)[mapping], module.weight.nbytes + other.weight.nbytes))
+        return stack(module, other)
     monkeypatch.setattr(quantize.Int8Linear, "pack_for_cpu", packing)
+    monkeypatch.setattr(quantize.Int8Linear, "stacked", stacking)
     monkeypatch.setattr(kernels, "file_mappings", lambda: reads.append(1) or read_maps())
     quantize.pack_for_device(model)
     page = os.sysconf("SC_PAGE_SIZE")
+    assert len(stacks) == 3
+    for k, (resident, _) in enumerate(stacks):  # each pair's pages went as it was stacked
+        assert resident <= stacks[0][0] - sum(n for _, n in stacks[:k]) + 4 * k * page, k
     assert len(seen) == 3 * 4 + 1 and sum(n for _, n in seen) > 0.5 * seen[0][0]
     for k, (resident, _) in enumerate(seen):
         assert resident <= seen[0][0] - sum(n for _, n in seen[:k]) + 4 * k * page, k
