@@ -32,7 +32,7 @@ PRECISIONS = ("bf16", "int8", "int4")
 
 
 def checkpoint(shape: str, work_dir: Path, seed: int) -> Path:
-    """bench_scale's transformers checkpoint of `shape` (bf16 here) and our bf16 conversion of it: model.pth."""
+    """bench_scale's transformers checkpoint of `shape` (made as it makes it) and our bf16 conversion beside it."""
     hf = work_dir / shape / "hf"
     if not (hf / "config.json").is_file():
         bench_scale.make_hf_checkpoint(shape, str(hf), str(work_dir / "tokenizer"), seed)
@@ -46,6 +46,7 @@ def checkpoint(shape: str, work_dir: Path, seed: int) -> Path:
 
 
 def run_ours(path: Path, args, log: Path, compile_mode: str = "whole") -> dict:
+    """One generate.py process: a warm-up sample (which compiles), then --repeats timed ones; the best's tokens/s."""
     stats = log.with_suffix(".json")
     stats.unlink(missing_ok=True)
     result = run_measured([sys.executable, ROOT / "generate.py", "--checkpoint_path", path, "--device", args.device,
