@@ -80,8 +80,7 @@ class Int8Linear(nn.Module):
         """kernels_a8.cpp's layout: rows padded with zeros to a multiple of A8_STEP inputs, float32 scales (the
         bf16 values, exactly). Made at load time, after sharding; never stored."""
         if not self.packed_for_cpu and self.weight.device.type == "cpu" and kernels.a8_kernels():
-            pad = padded_inputs(self.in_features) - self.in_features  # none: the weight as it is (no copy)
-            self.weight = (F.pad(self.weight, (0, pad)) if pad else self.weight).contiguous()
+            self.weight = F.pad(self.weight, (0, padded_inputs(self.in_features) - self.in_features)).contiguous()
             self.scales = self.scales.float()
             self.packed_for_cpu = True
 

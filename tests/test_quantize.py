@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 import generation
-import kernels
 import quantize
 import tp
 from helpers import ROOT, write_checkpoint
@@ -469,31 +468,15 @@ def test_quantizing_lets_go_of_each_weights_file_pages(random_target):
     assert after <= sum(state_dict[name].nbytes for name in kept) + 4 * len(kept) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.parametrize("inputs, copied", [(128, False), (96, True)])
-def test_int8_packing_copies_only_rows_it_pads(inputs, copied):
-    """An int8 weight whose rows are a whole number of the kernel's steps is used where it lies (a memory-mapped
-    file's pages, no copy of the model); a row it pads gets memory of its own."""
-    if not kernels.a8_kernels():
-        pytest.skip("the a8 kernels cannot be built here")
-    layer = quantize.Int8Linear(inputs, 8)
-    layer.weight, layer.scales = quantize.quantize_int8(torch.randn(8, inputs))
-    before = layer.weight
-    layer.pack_for_cpu()
-    assert layer.packed_for_cpu and layer.weight.shape == (8, quantize.padded_inputs(inputs))
-    assert (layer.weight.data_ptr() != before.data_ptr()) == copied
-    assert torch.equal(layer.weight[:, :inputs], before)
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
 def test_packing_lets_go_of_each_weights_file_pages_as_it_packs(tmp_path, tokenizer_model, monkeypatch):
     """pack_for_device drops the file pages of each weight of the memory-mapped checkpoint right after stacking or
-    packing it (its pages and all the new copies are never in memory at once), and reads this process's mappings a
-    few times, not once per weight (hundreds of reads for an 8B model)."""
+    packing it (its pages and all the new copies are never in memory at once), and reads this process's mappings a few times,
+    not once per weight (hundreds of reads for an 8B model)."""
     import itertools
     import kernels
     from test_kernels import file_mappings
-    # dim 288: rows padded to the kernel's step at packing (a copy of their own)
-    path = quantized_file(write_checkpoint(tmp_path, tokenizer_model, dim=288, n_layer=3, n_head=4, n_local_heads=2,
+    path = quantized_file(write_checkpoint(tmp_path, tokenizer_model, dim=256, n_layer=3, n_head=4, n_local_heads=2,
                                            vocab_size=512, block_size=64), "int8")
     with monkeypatch.context() as patch:
         patch.setattr(quantize, "pack_for_device", lambda model: None)
@@ -504,13 +487,10 @@ def test_packing_lets_go_of_each_weights_file_pages_as_it_packs(tmp_path, tokeni
     mapping = next((a, b) for a, b in file_mappings(path) if a <= pointer < b)
     seen, reads, pack, read_maps = [], [], quantize.Int8Linear.pack_for_cpu, kernels.file_mappings
 
-    def packing(module):  # the file's resident bytes before each weight is packed, and the weight's if packing moved
-        # it out of the file (a row already a whole number of the kernel's steps stays where it is: no copy)
-        def in_file():
-            return mapping[0] <= module.weight.data_ptr() < mapping[1]
-        resident, n, was = file_mappings(path)[mapping], module.weight.nbytes, in_file()
+    def packing(module):  # the file's resident bytes before each weight is packed, and the weight's if the file's
+        in_file = mapping[0] <= module.weight.data_ptr() < mapping[1]
+        seen.append((file_mappings(path)[mapping], module.weight.nbytes if in_file else 0))
         pack(module)
-        seen.append((resident, n if was and not in_file() else 0))
     stacks, stack = [], quantize.Int8Linear.stacked
 
     def stacking(module, other):  # likewise before each w1 and w3 are stacked
