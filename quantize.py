@@ -78,7 +78,8 @@ class Int8Linear(nn.Module):
 
     def pack_for_cpu(self):
         """kernels_a8.cpp's layout: rows padded with zeros to a multiple of A8_STEP inputs, float32 scales (the
-        bf16 values, exactly). Made at load time, after sharding; never stored."""
+        bf16 values, exactly). Made at load time, after sharding; never stored. A copy even where no row needs
+        padding: the process's own memory (huge pages) streams faster than a memory-mapped file's pages."""
         if not self.packed_for_cpu and self.weight.device.type == "cpu" and kernels.a8_kernels():
             self.weight = F.pad(self.weight, (0, padded_inputs(self.in_features) - self.in_features)).contiguous()
             self.scales = self.scales.float()
