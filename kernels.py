@@ -130,18 +130,23 @@ def _(x: Tensor, weight: Tensor, scales_and_zeros: Tensor, groupsize: int) -> Te
 A8_SOURCE = Path(__file__).with_name("kernels_a8.cpp")
 
 
+def build_directory(source: Path) -> Path:
+    """Where kernels_a8.cpp at `source` is built: one directory per source text, torch version and path (ninja's
+    build file names the source by its path, so two checkouts sharing a directory would rebuild it in turn)."""
+    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + str(source.resolve()).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastgen" / "ext"
+    return Path(root) / f"fastgen_a8_{digest.hexdigest()[:16]}"
+
+
 @functools.cache
 def a8_kernels() -> bool:
     """Whether the a8 operators run here: kernels_a8.cpp built at first use (seconds, once per source, torch version,
     checkout and user) into $TORCH_EXTENSIONS_DIR or ~/.cache/fastgen/ext, then loaded. Without a working C++
     compiler, one line on stderr, and the a8 layers use the weight-only kernels."""
     from torch.utils import cpp_extension
-    source = A8_SOURCE.read_bytes()
-    # the path too: ninja's build file names the source by it, so two checkouts sharing a directory rebuild it in turn
-    digest = hashlib.sha256(source + torch.__version__.encode() + str(A8_SOURCE.resolve()).encode()).hexdigest()[:16]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or \
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastgen" / "ext"
-    directory = Path(root) / f"fastgen_a8_{digest}"
+    directory = build_directory(A8_SOURCE)
+    digest = directory.name[len("fastgen_a8_"):]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(f"fastgen_a8_{digest}", [str(A8_SOURCE)], build_directory=str(directory),

@@ -567,3 +567,18 @@ def test_attention_without_the_kernels_is_sdpa_on_the_repeated_mask(monkeypatch)
     repeated = mask[:, :, torch.arange(6) % 2]
     assert torch.equal(kernels.attention(q, k, v, mask),
                        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=repeated))
+
+
+def test_two_checkouts_of_the_kernels_build_apart_and_one_source_builds_once(tmp_path):
+    """The build directory follows the source's text, torch's version and the source's path: two checkouts of the
+    same file would otherwise share one directory whose build file names the other's path, and rebuild it in turn."""
+    a, b = tmp_path / "a" / "kernels_a8.cpp", tmp_path / "b" / "kernels_a8.cpp"
+    for path in (a, b):
+        path.parent.mkdir()
+        path.write_bytes(kernels.A8_SOURCE.read_bytes())
+    assert kernels.build_directory(a) != kernels.build_directory(b)
+    assert kernels.build_directory(a) == kernels.build_directory(tmp_path / "a" / ".." / "a" / "kernels_a8.cpp")
+    before = kernels.build_directory(a)
+    a.write_bytes(a.read_bytes() + b"\n")  # an edited source builds anew
+    assert kernels.build_directory(a) != before
+    assert kernels.build_directory(kernels.A8_SOURCE).name.startswith("fastgen_a8_")
