@@ -19,7 +19,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 
 import errors
 import model
+from bench_serve import free_port
 from helpers import ROOT, cli, copy_checkpoint, write_chatml_tokenizer, write_checkpoint
 
 TIME_BOUND = 60  # seconds a failing run may take (a few on an idle machine); torchrun rows get TORCHRUN_BOUND
@@ -109,12 +109,6 @@ def snapshot(*directories) -> dict:
         for path in sorted(directory.rglob("*")):
             files[str(path)] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
     return files
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- the table

@@ -23,6 +23,7 @@ import pytest
 import errors
 import generation
 import tokenizer
+from bench_serve import free_port
 from helpers import ROOT, cli
 
 
@@ -246,12 +247,6 @@ def test_logits_turning_nan_mid_run_stop_with_one_line(mode, nan_after, random_t
 
 
 # ----------------------------------------------------------------------------- torchrun ranks that disagree
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_ranks_launched_with_different_arguments_fail_every_rank(random_target, tmp_path):
     """Two ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT), rank 1 with another

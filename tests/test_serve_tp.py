@@ -8,7 +8,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import torch
 
 import serve
 import tp
-from bench_serve import wait_ready
+from bench_serve import free_port, wait_ready
 from decode import sdpa_context
 from helpers import ROOT, copy_checkpoint
 from test_serve import Running, alone, library  # noqa: F401 (a fixture)
@@ -119,12 +118,6 @@ def test_replaying_rank_0s_calls_rebuilds_its_cache_bit_for_bit(random_target, n
 
 
 # ----------------------------------------------------------------------------- 2 ranks on the CPU (gloo)
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def metric(port: int, name: str) -> float:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
