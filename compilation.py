@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from errors import UserError, write_atomically
+from errors import UserError, first_line, write_atomically
 import kernels
 from model import Transformer
 
@@ -358,7 +358,7 @@ class StoredGraph:
         except (KeyboardInterrupt, OSError, MemoryError):
             raise
         except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0][:200]
+            first = first_line(e, 200, default="")
             print(f"cannot store {what} ({type(e).__name__}: {first}); compiling it in this process instead",
                   file=sys.stderr)
             text = f"{key}\n{type(e).__name__}: {first}\n"
@@ -769,7 +769,7 @@ class Replayed:
             graph.replay()
             same = len(outputs) == len(expected) and all(torch.equal(o, e) for o, e in zip(outputs, expected))
         except RuntimeError as e:
-            same, why = False, (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            same, why = False, first_line(e)
         else:
             why = "its replay differs from the direct run"
         if not same:

@@ -91,6 +91,12 @@ WRITE_FIXES = {errno.ENOSPC: "free some space or write elsewhere",
                errno.EPERM: "fix its permissions or write elsewhere"}
 
 
+def first_line(e: BaseException, limit: int = 160, default: str = None) -> str:
+    """An exception's message as one line a user reads: its first line, at most `limit` characters (its type's name,
+    or `default`, where it says nothing)."""
+    return (str(e).strip().splitlines() or [type(e).__name__ if default is None else default])[0][:limit]
+
+
 def causes(e: BaseException, depth: int = 8) -> list:
     """The exceptions behind e (its __cause__ or, failing that, __context__), nearest first."""
     chain = []

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from errors import first_line
+
 
 def _packed_linear(x: Tensor, packed: Tensor) -> Tensor:
     """x [..., in] times a weight that oneDNN packed for its own kernels: [..., out]."""
@@ -146,15 +148,15 @@ def a8_kernels() -> bool:
     compiler, one line on stderr, and the a8 layers use the weight-only kernels."""
     from torch.utils import cpp_extension
     directory = build_directory(A8_SOURCE)
-    digest = directory.name[len("fastgen_a8_"):]
+    name = directory.name  # the extension's name too: one library per directory
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(f"fastgen_a8_{digest}", [str(A8_SOURCE)], build_directory=str(directory),
+        cpp_extension.load(name, [str(A8_SOURCE)], build_directory=str(directory),
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
         # stored graphs call the operators' C entry points (c_shims) by name: visible to libraries loaded later
-        ctypes.CDLL(str(directory / f"fastgen_a8_{digest}.so"), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        ctypes.CDLL(str(directory / f"{name}.so"), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        reason = first_line(e)
         print(f"cannot build {A8_SOURCE.name} ({reason}): int8-a8 / int4-a8 layers use the weight-only kernels and "
               f"attention ATen's; install a C++ compiler and ninja (the ones torch.compile uses) for ours",
               file=sys.stderr)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from errors import UserError, quiet_stderr
+from errors import UserError, first_line, quiet_stderr
 
 
 JOIN_TIMEOUT = 60  # seconds every rank waits for the others to join (FASTGEN_DIST_TIMEOUT overrides it)
@@ -57,7 +57,7 @@ def init_distributed(device: str) -> tuple:
         try:
             join(backend, rank, world_size, device_id, timeout)
         except (RuntimeError, TimeoutError, ValueError) as e:  # DistStoreError, DistNetworkError are RuntimeErrors
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            reason = first_line(e, 200)
             # a timeout is the same line whoever saw it first (join's deadline, torch's connect or store timeout)
             reason = "" if isinstance(e, TimeoutError) or "timed out" in reason.lower() else f" ({reason})"
             raise UserError(f"rank {rank} of {world_size} could not join the others at {where} within {timeout:g} s"
@@ -322,7 +322,7 @@ class Lockstep:
         self.failed = (f"rank 0 lost the other ranks of tensor parallelism ({reason}): a rank failed or was stopped; "
                        f"restart the server" if reason else
                        f"tensor parallelism stopped: {what} on rank 0 ({type(e).__name__}: "
-                       f"{(str(e).strip().splitlines() or [''])[0][:160]}), the ranks may be out of step; restart the "
+                       f"{first_line(e, default='')}), the ranks may be out of step; restart the "
                        f"server")
         return RanksFailed(self.failed)
 
@@ -370,7 +370,7 @@ class Lockstep:
             except Exception as e:
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 raise RanksFailed(f"rank {rank}: `{name}` failed ({type(e).__name__}: "
-                                  f"{(str(e).strip().splitlines() or [''])[0][:160]}); the server stops") from e
+                                  f"{first_line(e, default='')}); the server stops") from e
         return True
 
     def local(self, values: list) -> list:
