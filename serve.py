@@ -441,6 +441,8 @@ class Scheduler:
         drafter = getattr(generator.speculator, "drafter", None)
         self.drafter = drafter if isinstance(drafter, (NgramDrafter, ModelDrafter)) else None
         self.draft_model = getattr(self.drafter, "draft_model", None)
+        # the draft's cache moves stay on this process (it is replicated under tensor parallelism)
+        self.draft_move = None if self.draft_model is None else functools.partial(move_cache_slots, self.draft_model)
         if self.draft_model is not None:  # its cache rows are the target's: prefill, swaps and copies move both
             self.draft_model.setup_caches(max_batch_size, self.model.max_seq_length)
         self.draft_held = [0] * max_batch_size  # leading slots of each draft cache row holding its ids' draft keys
@@ -738,7 +740,7 @@ class Scheduler:
         swap_rows(self.engine.move_cache_slots, a, b, na, nb)
         if self.draft_model is not None:  # the draft's rows trade what they hold of the same ids
             da, db = min(self.draft_held[a], na), min(self.draft_held[b], nb)
-            swap_rows(functools.partial(move_cache_slots, self.draft_model), a, b, da, db)
+            swap_rows(self.draft_move, a, b, da, db)
             self.draft_held[a], self.draft_held[b] = db, da
         with self.wake:
             self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
@@ -782,7 +784,7 @@ class Scheduler:
         copy_rows(self.engine.move_cache_slots, source, target, n)
         if self.draft_model is not None:
             held = min(n, self.draft_held[source])
-            copy_rows(functools.partial(move_cache_slots, self.draft_model), source, target, held)
+            copy_rows(self.draft_move, source, target, held)
             self.draft_held[target] = held
 
     def prefill(self, r: Request):

@@ -269,7 +269,7 @@ def verify_step(target: Engine, trees: list, pos: list, sampling: Sampling, acti
     for b, bitmask in enumerate(masks or []):
         if bitmask is not None:
             if logits is raw:  # a copy: logprobs are the raw logits', and a forward's output may be reused
-                logits = logits.float().clone()
+                logits = logits.to(torch.float32, copy=True)
             apply_bitmask(logits[b, :len(bitmask)], bitmask)
     if sampling.temperature == 0:
         argmax = logits.argmax(-1).tolist()  # one look at the host for the whole batch
@@ -642,7 +642,7 @@ class Speculator:
             made, hidden, scores = run_plain_steps(target, last, rows.pos, steps, sampling, bool(self.features),
                                                    logprobs)
             hidden = hidden if self.features else None
-            scores = [list(row) for row in torch.stack(scores, 1)] if logprobs else None  # [B][steps] of [V]
+            scores = [[s[b] for s in scores] for b in range(len(last))] if logprobs else None  # [B][steps] of [V]
         else:
             made, hidden = decode_n_tokens(target, last, rows.pos, steps, sampling, eos_ids, rows.stop_at_eos,
                                            callback), None
@@ -760,7 +760,8 @@ class Rows:
             new = new[:self.taken(self.outs[b], new)]
             constraint = self.constraints[b] if self.constraints is not None else None
             kept = []
-            for i, t in enumerate(new):  # the grammar takes each token before the callback sees it (it may end the loop)
+            # the grammar takes each token before the callback sees it (it may end the loop)
+            for i, t in enumerate(new):
                 if constraint is not None and not constraint.accept(t):  # a dead end: no token, the row ends
                     break
                 kept.append(t)
