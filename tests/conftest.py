@@ -18,6 +18,18 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fastgen-test-cache-")
 torch.set_num_threads(1)  # tiny models: threading only adds overhead (and contention on shared CI cores)
 
 
+@pytest.fixture(autouse=True)
+def default_cpu_products(request, monkeypatch):
+    """Whole CPU graphs build inductor's C++ GEMM template for every product of float weights
+    (compilation.CPP_GEMM_OPTIONS), one compiler run per matmul shape: most of an in-process whole build, paid
+    again in every test (frozen graphs are not cached). Tests marked gemm_templates keep them (their tokens
+    equal eager decoding's: tests/test_decode.py, test_generate.py, test_stored.py); the other whole-graph tests
+    check what runs around the products and take inductor's default lowering. Subprocesses keep the templates."""
+    if "gemm_templates" not in request.keywords:
+        import compilation
+        monkeypatch.setattr(compilation, "CPP_GEMM_OPTIONS", {})
+
+
 @pytest.fixture(scope="session")
 def tokenizer_model(tmp_path_factory) -> Path:
     return train_tokenizer(tmp_path_factory.mktemp("tok") / "tok", 512)

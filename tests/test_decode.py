@@ -91,6 +91,7 @@ def test_compiled_verification_forward_equals_eager(random_target, mode):
 
 
 @pytest.mark.slow  # compiles a whole graph
+@pytest.mark.gemm_templates
 def test_whole_graphs_of_float_models_use_inductors_gemm_templates(random_target, tmp_path):
     """On CPU the whole graphs of a float32 or bf16 model multiply with inductor's C++ GEMM templates without
     timing them (graph_options); a quantized model keeps the default lowering of its int8 / int4 products, a

@@ -141,6 +141,7 @@ def test_top_k_then_top_p_is_the_sorted_nucleus(top_k, top_p):
 
 
 @pytest.mark.slow
+@pytest.mark.gemm_templates
 def test_compiled_equals_eager_without_recompiling(random_target):
     from torch._dynamo.utils import counters
     prompts = [torch.tensor(p) for p in ([1, 5, 9], [1, 7, 3, 3, 8, 20, 11, 4], [1, 30, 31, 32, 33, 34])]

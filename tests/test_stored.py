@@ -60,6 +60,7 @@ def checkpoint(tmp_path, tokenizer_model):
 
 
 @pytest.mark.slow  # each build is a C++ compile of the whole model
+@pytest.mark.gemm_templates
 def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(stored, capsys):
     """Built once, stored beside the checkpoint; a new engine (as in a new process) loads it and decodes, verifies
     and prefills exactly what eager and in-process compiled engines do; a truncated package is refused with one
