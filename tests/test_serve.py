@@ -988,8 +988,8 @@ def launch(checkpoint, *flags):
 def test_compiled_graphs_are_never_rebuilt_after_warm_up(random_target, library):
     """After the warm-up, requests of any length, batched or alone, greedy or sampled, compile nothing new. Regional
     graphs: the same static-shape property as whole graphs (one per batch and width), built far sooner."""
-    process, running = launch(random_target, "--max_batch_size", 4, "--compile", "regional", "--draft_ngram", 3,
-                              "--speculate_k", 4)
+    process, running = launch(random_target, "--max_batch_size", 2, "--compile", "regional", "--draft_ngram", 3,
+                              "--speculate_k", 2)
     try:
         graphs = running.metric("fastgen_compiled_graphs")
         assert graphs > 0
