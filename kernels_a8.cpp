@@ -396,7 +396,9 @@ AVX512 __m512 int4_offset_avx512(const Int4Row& w, int64_t groups, const Activat
   return acc;
 }
 
-template <int R, bool G32>  // G32: groups of 32, the 4 scales of a step from one 64-bit broadcast
+// GS: groups of 32 (the 4 scales of a step from one 64-bit broadcast), of 64 (its 2 from one 32-bit broadcast), or 0
+// (any: one group at a time, half_scales)
+template <int R, int GS>
 AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0, float (*out)[NR]) {
   __m512 acc[R][NR];
   for (int j = 0; j < R; ++j)
@@ -407,6 +409,8 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
                                              0x03028080, 0x03028080, 0x01008080, 0x01008080, 0x01008080, 0x01008080,
                                              0x01008080, 0x01008080, 0x01008080, 0x01008080);
   const __m512i to_top_23 = _mm512_add_epi8(to_top_01, _mm512_set1_epi32(0x04040000));
+  // bf16 scale h of 2 into the top half of every lane
+  const __m512i to_top_0 = _mm512_set1_epi32(0x01008080), to_top_1 = _mm512_set1_epi32(0x03028080);
   const int64_t steps = w.full_blocks() / 4;
   for (int64_t c = 0; c < steps; ++c) {  // 128 inputs, in two vectors of 64 (one at a time: registers for 4 x 4 sums)
     const int64_t g0 = c * 128 / w.G;
@@ -421,10 +425,14 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
         }
         const __m512i bytes = _mm512_loadu_si512(w.rows[i].u + c * 64);
         u[i] = _mm512_and_si512(h ? _mm512_srli_epi16(bytes, 4) : bytes, low);
-        if (G32) {  // (a padding block's scale: the row's first zero point, finite, times a zero dot product)
+        if (GS == 32) {  // (a padding block's scale: the row's first zero point, finite, times a zero dot product)
           int64_t four;
           std::memcpy(&four, w.rows[i].s + g0, 8);
           s[i] = _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi64(four), h ? to_top_23 : to_top_01));
+        } else if (GS == 64) {  // (the same past the last group)
+          int32_t two;
+          std::memcpy(&two, w.rows[i].s + g0, 4);
+          s[i] = _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi32(two), h ? to_top_1 : to_top_0));
         } else {
           s[i] = half_scales(w.rows[i].s, g0, h, w.G, w.groups);
         }
@@ -466,9 +474,10 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
 
 template <int R>
 AVX512 void int4_tile_avx512_any(const Int4Tile& w, const Activations& a, int64_t m0, float (*out)[NR]) {
-  // groups of 32 with the step's 4 scales inside the row's scales and zeros (always, but for a last partial step)
-  if (w.G == BLOCK) return int4_tile_avx512<R, true>(w, a, m0, out);
-  int4_tile_avx512<R, false>(w, a, m0, out);
+  // groups of 32 or 64 with the step's scales inside the row's scales and zeros (always, but for a last partial step)
+  if (w.G == BLOCK) return int4_tile_avx512<R, 32>(w, a, m0, out);
+  if (w.G == 2 * BLOCK) return int4_tile_avx512<R, 64>(w, a, m0, out);
+  int4_tile_avx512<R, 0>(w, a, m0, out);
 }
 
 // ----------------------------------------------------------------------------- int8 weights, float32 activations

@@ -289,7 +289,7 @@ def test_a8_int8_equals_float64_reference(isa, M, N, K):
     assert_equals_reference(y, x, reference)
 
 
-@pytest.mark.parametrize("groupsize, K", [(32, 96), (32, 576), (64, 576), (128, 512), (256, 768)])
+@pytest.mark.parametrize("groupsize, K", [(32, 96), (32, 576), (64, 576), (64, 1024), (128, 512), (256, 768)])
 @pytest.mark.parametrize("M", [1, 6])
 def test_a8_int4_equals_float64_reference(isa, groupsize, K, M):
     module, reference = a8_linear("int4", 21, K, groupsize)
