@@ -80,8 +80,10 @@ def main(argv=None):
             variants[f"ours int4 g{group}"] = (benchlib.quantized_checkpoint(model_pth, "int4", group), torch.float32)
     # 8-bit activations in integer dot products (kernels_a8.cpp), llama.cpp's Q8_0 / Q4_1 x Q8 pairing
     variants["ours int8-a8"] = (benchlib.quantized_checkpoint(model_pth, "int8-a8"), torch.float32)
-    if all(n % 32 == 0 for n in (base.args.dim, base.args.intermediate_size)):
-        variants["ours int4-a8 g32"] = (benchlib.quantized_checkpoint(model_pth, "int4-a8", 32), torch.float32)
+    for group in (32, 64):  # g64: 4.5 bits a weight, as llama.cpp's Q4_0
+        if all(n % group == 0 for n in (base.args.dim, base.args.intermediate_size)):
+            variants[f"ours int4-a8 g{group}"] = (benchlib.quantized_checkpoint(model_pth, "int4-a8", group),
+                                                  torch.float32)
     rows = []
     for name, (path, dtype) in variants.items():
         model = generation.load_model(path, precision=dtype)
