@@ -228,13 +228,19 @@ class Int4A8Linear(Int4Linear):
         contiguous."""
         if self.packed_for_cpu or self.weight.device.type != "cpu" or not kernels.a8_kernels():
             return super().pack_for_cpu()
-        u = F.pad(unpack_int4(self.weight), (0, padded_inputs(self.in_features) - self.in_features))
-        N, full = u.shape[0], u.shape[1] // 128 * 128
-        steps = u[:, :full].view(N, -1, 2, 64)  # whole tensors at once: a loop over steps took seconds at 1B
-        parts = [(steps[:, :, 0] | (steps[:, :, 1] << 4)).view(N, -1)]
-        if full < u.shape[1]:  # a last step of 64 inputs
-            parts.append(u[:, full:full + 32] | (u[:, full + 32:] << 4))
-        self.weight = torch.cat(parts, dim=1).contiguous()
+        # on the packed bytes, never unpacked (most of a load): a step's byte 2j holds its inputs 2j and half + 2j,
+        # byte 2j + 1 inputs 2j + 1 and half + 2j + 1, from bytes j (2j, 2j + 1) and half / 2 + j of the file's
+        b = F.pad(self.weight, (0, padded_inputs(self.in_features) // 2 - self.weight.shape[1]))
+        N, full = b.shape[0], b.shape[1] // 64 * 64
+
+        def step_bytes(lo: Tensor, hi: Tensor) -> Tensor:  # a step's first and second halves of file bytes
+            return torch.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], dim=-1).view(N, -1)
+
+        steps = b[:, :full].view(N, -1, 2, 32)  # whole tensors at once: a loop over steps took seconds at 1B
+        parts = [step_bytes(steps[:, :, 0], steps[:, :, 1])]
+        if full < b.shape[1]:  # a last step of 64 inputs
+            parts.append(step_bytes(b[:, full:full + 16], b[:, full + 16:]))
+        self.weight = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         self.scales_and_zeros = self.scales_and_zeros.permute(1, 2, 0).contiguous()  # [K/G, N, 2] -> [N, 2, K/G]
         self.packed_for_cpu = self.a8 = True
 
