@@ -369,11 +369,10 @@ AVX2 void int4_tile_avx2(const Int4Tile& w, const Activations& a, int64_t m0, fl
     for (int i = 0; i < NR; ++i) out[j][i] = hsum256(acc[j][i]) + int4_offset_avx2(w.rows[i], w.groups, a, m0 + j);
 }
 
-// The bf16 scales of the 16 lanes of vector h of the 128-input step whose first group is g0: lanes 0-7 dot its first
-// block, lanes 8-15 its second. G = 32: two groups from one 32-bit broadcast, a byte shuffle moving each to the top
-// half of its lanes (a bf16 value is the top half of a float32); larger G: one group.
-AVX512 inline __m512 half_scales(const uint16_t* v, int64_t g0, int h, int64_t G, int64_t groups) {
-  const int64_t g = G == BLOCK ? g0 + 2 * h : G == 2 * BLOCK ? g0 + h : g0;
+// The bf16 scales of the 16 lanes of a vector of 64 inputs whose first group is g: lanes 0-7 dot its first block,
+// lanes 8-15 its second. G = 32: two groups from one 32-bit broadcast, a byte shuffle moving each to the top half of
+// its lanes (a bf16 value is the top half of a float32); larger G: one group.
+AVX512 inline __m512 half_scales(const uint16_t* v, int64_t g, int64_t G, int64_t groups) {
   if (G != BLOCK || g + 1 >= groups)  // (past the last group: a padding block, whose dot products are zero)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi32(v[std::min(g, groups - 1)]), 16));
   int32_t pair;
@@ -434,7 +433,7 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
           std::memcpy(&two, w.rows[i].s + g0, 4);
           s[i] = _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi32(two), h ? to_top_1 : to_top_0));
         } else {
-          s[i] = half_scales(w.rows[i].s, g0, h, w.G, w.groups);
+          s[i] = half_scales(w.rows[i].s, (c * 128 + h * 64) / w.G, w.G, w.groups);
         }
       }
       for (int j = 0; j < R; ++j) {
@@ -456,7 +455,7 @@ AVX512 void int4_tile_avx512(const Int4Tile& w, const Activations& a, int64_t m0
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i].u + steps * 64));
       u[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low256)),
                                 _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low256), 1);
-      s[i] = half_scales(w.rows[i].s, g0, 0, w.G, w.groups);
+      s[i] = half_scales(w.rows[i].s, g0, w.G, w.groups);
     }
     for (int j = 0; j < R; ++j) {
       const __m512i q = _mm512_loadu_si512(a.qrow(m0 + j) + first);
