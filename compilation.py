@@ -106,7 +106,7 @@ def configure_compiler(device: str):
     inductor_config.triton.unique_kernel_names = True
     inductor_config.autotune_num_choices_displayed = 0  # autotune quietly: no table of timings per matmul shape
     inductor_config.max_autotune_report_choices_stats = False
-    # no debug line tables in the kernels and stored graphs (inductor's default, for profilers): a tenth of each
+    # no debug line tables in the kernels and stored graphs (inductor's default, for profilers): they lengthen every
     # C++ build, which a stored graph pays once and an in-process graph in every process
     inductor_config.aot_inductor.enable_line_tables = False
 
