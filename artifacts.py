@@ -1,7 +1,7 @@
 """Stored compiled graphs: where they live, what keys them, and why loading one is safe.
 
-A stored graph is the shared library AOTInductor compiles (its code and frozen weights), so loading one runs
-native code; stored kernels (compilation.CompileCache, NAME.bin: torch's cache artifacts) hold compiled code as well.
+A stored graph is the shared library AOTInductor compiles (its kernels; the weights are the checkpoint's, handed to
+it at load), so loading one runs native code; stored kernels (compilation.CompileCache, NAME.bin: torch's cache artifacts) hold compiled code as well.
 Two rules keep that safe and correct:
 - Keyed: its name and its metadata carry a hash of everything that changes the code generated (the weights file's
   identity, the config, the dtypes and quantization scheme, the shapes, the compile options, the torch version, the
@@ -11,6 +11,9 @@ Two rules keep that safe and correct:
   which AOTInductor's runner reads beside the library to call custom operators) under a random key kept in the user's
   own cache directory (0600). An artifact this user's machine did not build (copied in with a checkpoint, or written by
   someone else into a shared directory) has no valid signature and is rebuilt, never loaded.
+A graph's kernels do not depend on the weights' values, so a copy of each is also kept in the user's cache under
+every field but the weights file's identity (kept_directory): a graph for another weights file of the same shape is
+that copy, signed anew under its own key, instead of a build.
 """
 import hashlib
 import importlib
@@ -19,6 +22,7 @@ import json
 import os
 import platform
 import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -27,6 +31,7 @@ import torch
 from errors import flush_to_disk, partial_file, write_atomically, write_failure
 
 SAMPLE_BYTES, SAMPLES = 1 << 16, 16  # a weights file's content hash reads this many evenly spaced chunks
+KEPT_GRAPHS, KEPT_BYTES = 64, 1 << 30  # the kernels kept for other weights files (kept_directory): at most
 KEY_BYTES = 32
 
 
@@ -108,8 +113,11 @@ def file_sha256(path) -> str:
 def signature(library, key: str) -> str:
     """The HMAC of the library and of its operator table (if it has one)."""
     table = Path(library).with_suffix(".json")
-    tables = file_sha256(table) if table.exists() else "-"
-    return hmac.new(signing_key(), f"{key}:{file_sha256(library)}:{tables}".encode(), hashlib.sha256).hexdigest()
+    return sign(key, file_sha256(library), file_sha256(table) if table.exists() else "-")
+
+
+def sign(key: str, library_sha256: str, table_sha256: str) -> str:
+    return hmac.new(signing_key(), f"{key}:{library_sha256}:{table_sha256}".encode(), hashlib.sha256).hexdigest()
 
 
 def directory_for(checkpoint_path) -> Path:
@@ -161,6 +169,62 @@ def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str
             for old_suffix in (".so", ".bin", ".json", ".meta.json", ".failed"):
                 (directory / f"{old_name}{old_suffix}").unlink(missing_ok=True)
     return library
+
+
+def kept_directory() -> Path:
+    """Kernels kept on this machine under everything they were built for but the weights file: a stored graph holds
+    kernels only, so another weights file of the same shape, scheme, options and software (a fine-tune, a file
+    converted again, random weights of the same shape) takes a copy of them instead of a build."""
+    return cache_home() / "kernels"
+
+
+def kernels_key(fields: dict) -> str:
+    """The key of a graph's kernels: its fields but the weights file's identity."""
+    return key_of({k: v for k, v in fields.items() if k != "weights"})
+
+
+def store_kept(directory: Path, name: str, key: str, fields: dict):
+    """Store the graph `name` (as store() does: keyed by `key`, signed) as a copy of the kernels kept for its fields
+    (keep), if a copy this user signed is kept; returns its path, or None (none kept, or it does not verify: then
+    the caller builds). The kept bytes are read once, verified and written from memory: what is checked is what is
+    copied."""
+    kept = kernels_key(fields)
+    library, table, meta_path = (kept_directory() / f"{kept[:32]}{suffix}" for suffix in (".so", ".json", ".meta.json"))
+    try:
+        meta = json.loads(meta_path.read_text())
+        data = library.read_bytes()
+        text = table.read_bytes() if table.exists() else None
+        signed = sign(kept, hashlib.sha256(data).hexdigest(), hashlib.sha256(text).hexdigest() if text else "-")
+        if not isinstance(meta, dict) or meta.get("key") != kept \
+                or not hmac.compare_digest(str(meta.get("signature", "")), signed):
+            return None
+        os.utime(meta_path)  # recently used: evicted last
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return store(directory, name, key, fields, lambda tmp: (tmp.write_bytes(data), text and text.decode())[1])
+
+
+def keep(library: Path, fields: dict, count: int = KEPT_GRAPHS, budget: int = KEPT_BYTES):
+    """Keep a copy of a graph just built (library, with its operator table beside it) for other weights files of
+    its shape (store_kept); the least recently used beyond `count` graphs or `budget` bytes are removed. A cache:
+    a disk that cannot take the copy loses nothing but the copy."""
+    kept = kernels_key(fields)
+    table = Path(library).with_suffix(".json")
+    directory = kept_directory()
+    try:
+        store(directory, kept[:32], kept, {k: v for k, v in fields.items() if k != "weights"},
+              lambda tmp: (shutil.copyfile(library, tmp), table.read_text() if table.exists() else None)[1])
+        metas = sorted(directory.glob("*.meta.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        total = 0
+        for i, meta_path in enumerate(metas):
+            stem = meta_path.name[:-len(".meta.json")]
+            files = [directory / f"{stem}{suffix}" for suffix in (".so", ".json", ".meta.json")]
+            total += sum(f.stat().st_size for f in files if f.exists())
+            if i >= count or total > budget:
+                for f in files:
+                    f.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def loader_marker(device: str) -> tuple:

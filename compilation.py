@@ -356,7 +356,13 @@ class StoredGraph:
                                constants=self.constants())
             return table
         try:
-            library = with_progress(what, estimate, lambda: artifacts.store(directory, name, key, fields, build))
+            library = artifacts.store_kept(directory, name, key, fields)
+            if library is not None:
+                print(f"{what}: copied from kernels this machine built before for its shape and settings (no build)",
+                      file=sys.stderr)
+            else:
+                library = with_progress(what, estimate, lambda: artifacts.store(directory, name, key, fields, build))
+                artifacts.keep(library, fields)
             return self.open(library)
         except (KeyboardInterrupt, OSError, MemoryError):
             raise
@@ -569,10 +575,12 @@ def inventory(directory: Path, weights_directory: Optional[Path] = None) -> list
         if kind == "graph" or kind == "kernels":
             try:
                 fields = json.loads(meta.read_text())["fields"]
-                weights = Path(weights_directory or Path(directory).parent) / fields["weights"]["file"]
-                if weights not in identities:
+                # the kernels kept for any weights file (artifacts.kept_directory) have no weights to check
+                weights = "weights" in fields and Path(weights_directory or Path(directory).parent) / \
+                    fields["weights"]["file"]
+                if weights and weights not in identities:
                     identities[weights] = artifacts.file_identity(weights) if weights.exists() else None
-                if identities[weights] != fields["weights"]:
+                if weights and identities[weights] != fields["weights"]:
                     stale = "its weights file changed or is gone"
                 elif {k: v for k, v in fields["machine"].items() if k != "threads"} != here:
                     stale = "built with other software or on another machine"

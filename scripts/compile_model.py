@@ -14,6 +14,8 @@ A stored graph serves one batch size, every cache length and every token count p
 and prefill share it. Graphs already stored and valid are loaded, not rebuilt. Prints what was built, its time and
 size. Stale artifacts (built for a weights file that changed, other software, another machine or older code, and
 failed builds' markers) are never loaded; --prune removes them, and removing compiled/ removes everything.
+--list and --prune cover the kernels this machine keeps for other weights files of the same shape too (in the user's
+cache: a new weights file of a shape built before takes a copy of them, not a build).
 """
 import argparse
 import sys
@@ -84,9 +86,10 @@ def main():
     if args.list or args.prune:
         if not args.checkpoint_path.is_file():
             raise UserError(f"checkpoint not found: {args.checkpoint_path}")
+        import artifacts
         from compilation import inventory
-        for directory, weights in directories(args.checkpoint_path, args.draft_checkpoint_path,
-                                              args.draft_head).items():
+        found = directories(args.checkpoint_path, args.draft_checkpoint_path, args.draft_head)
+        for directory, weights in {**found, artifacts.kept_directory(): None}.items():
             rows = inventory(directory, weights)
             print(f"{directory}:")
             show(rows)

@@ -1,5 +1,6 @@
 """Shared fixtures: checkpoints the tests build themselves (random weights, a tiny tokenizer)."""
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -13,8 +14,16 @@ from helpers import SmallDisk, train_tokenizer, write_checkpoint
 # once per test run
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                                                   / "fastgen" / "ext"))
-# stored graphs are signed with a key in the user's cache directory: tests use their own (subprocesses inherit it)
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fastgen-test-cache-")
+# stored graphs are signed with a key in the user's cache directory: tests use their own, made by the first process
+# (pytest-xdist's workers and every subprocess inherit it: they share the kernels kept there, artifacts.keep) and
+# removed at its end
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    TEST_CACHE = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fastgen-test-cache-")
+
+
+def pytest_unconfigure(config):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(TEST_CACHE, ignore_errors=True)
 torch.set_num_threads(1)  # tiny models: threading only adds overhead (and contention on shared CI cores)
 
 

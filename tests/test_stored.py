@@ -42,8 +42,13 @@ def stored_engine(path):
     return engine
 
 
+def stored_anew(err: str) -> bool:
+    """Whether a graph was stored in this call: built, or copied from the kernels kept for its shape."""
+    return "compiling the graph of" in err or "copied from kernels this machine built" in err
+
+
 def built(capsys) -> bool:
-    return "compiling the graph of" in capsys.readouterr().err
+    return stored_anew(capsys.readouterr().err)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +105,7 @@ def test_stored_graph_equals_eager_and_compiled_and_is_loaded_not_rebuilt(stored
     packages[0].write_bytes(data[: len(data) // 2])
     assert greedy(stored_engine(checkpoint)) == eager
     err = capsys.readouterr().err
-    assert "refusing the stored graph" in err and "compiling the graph of" in err
+    assert "refusing the stored graph" in err and stored_anew(err)
 
 
 @pytest.mark.slow
@@ -159,7 +164,7 @@ def test_cli_compile_stores_then_loads(stored, tmp_path):
                            "--speculate_k", "2", "--draft_ngram", "2"],
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr
-    assert "compiling the graph of" not in done.stderr and "stored in" in done.stdout
+    assert not stored_anew(done.stderr) and "stored in" in done.stdout
 
 
 @pytest.mark.slow
@@ -193,7 +198,7 @@ def test_compile_model_lists_and_prunes_stale_artifacts(stored):
     pruned = compile_model("--prune")
     assert "removed" in pruned and sorted(p.name for p in directory.iterdir()) == current
     capsys_free = run_script(LOAD_RUN, stored, directory.parent / "inductor", torch.get_num_threads())[1]
-    assert "compiling the graph of" not in capsys_free
+    assert not stored_anew(capsys_free)
 
 
 def key_for(path, **change):
@@ -367,14 +372,14 @@ def test_draft_head_and_a8_kernels_on_stored_graphs(stored, tmp_path, capsys):
         capsys.readouterr()
         rows, stats = generator.generate(prompt, 20, decode.Sampling(), stop_at_eos=False)
         assert rows == plain and stats["drafted"] > 0
-        assert ("compiling the graph of" in capsys.readouterr().err) == (speculation.nodes == 6)  # built once
+        assert built(capsys) == (speculation.nodes == 6)  # built once
     assert list((checkpoint.parent / "compiled").glob("*-f*.so"))  # the features graph
     assert len(list((tmp_path / "head" / "compiled").glob("head-b1of1-*.so"))) == 1  # the head's, beside it
     spec = importlib.util.spec_from_file_location("compile_model", ROOT / "scripts" / "compile_model.py")
     compile_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compile_model)
     rows = compile_model.compile_model(checkpoint, speculation=generation.Speculation(2), draft_head=tmp_path / "head")
-    assert "compiling the graph of" not in capsys.readouterr().err  # everything the configuration needs is there
+    assert not built(capsys)  # everything the configuration needs is there
     assert [row["stem"] for row in rows] == [checkpoint.stem, "head"]
     # quantized layers call their operators' C entry points directly, not boxed through the proxy executor; the
     # weight-only int4 graph reads no constant inductor made itself (its lowering turns the group size into one)
@@ -445,11 +450,13 @@ print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_ca
 
 
 @pytest.mark.slow  # two processes compiling or loading a whole graph
-def test_a_shape_compiled_in_the_process_instead_keeps_its_kernels(checkpoint, tmp_path):
+def test_a_shape_compiled_in_the_process_instead_keeps_its_kernels(checkpoint, tmp_path, monkeypatch):
     """Where a stored graph cannot be built (or loaded) here, that shape is compiled in the process, and its kernels
     are stored like an in-process engine's (compilation.CompileCache): later processes, each with an empty inductor cache
     and the failure marker, give the same tokens and load the kernels instead of compiling them (the second process
     traced one of the two graphs differently from the first and compiled it; from the third on, nothing)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no kernels kept for this shape: it builds
+
     def run(name):
         return run_script(FALLBACK_RUN, checkpoint, tmp_path / name)
 
@@ -527,9 +534,10 @@ def test_a_hang_in_the_child_is_a_loader_failure_and_ends(tmp_path, monkeypatch)
     assert list(tmp_path.iterdir()) == [library]
 
 
-def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoint, monkeypatch, capsys):
+def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoint, tmp_path, monkeypatch, capsys):
     """A build that fails (an export error, a library that does not load) leaves a marker under its key: a later
     run with the same key compiles that shape in its process at once (one line); another key tries again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no kernels kept for this shape: it builds
     def fails(*args):
         raise RuntimeError("cannot export this model")
 
@@ -557,9 +565,11 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
     assert "cannot store" in capsys.readouterr().err
 
 
-def test_stats_say_the_graphs_ran_in_the_process_where_none_could_be_stored(checkpoint, monkeypatch, capsys):
+def test_stats_say_the_graphs_ran_in_the_process_where_none_could_be_stored(checkpoint, tmp_path, monkeypatch,
+                                                                             capsys):
     """`--compile` whose graphs could not be stored here compiles them in the process: its stats JSON says
     `whole`, not `stored`."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no kernels kept for this shape: it builds
     def fails(*args):
         raise RuntimeError("cannot export this model")
     monkeypatch.setattr(compilation.StoredForward, "export", fails)
@@ -570,6 +580,45 @@ def test_stats_say_the_graphs_ran_in_the_process_where_none_could_be_stored(chec
     assert stats["compile_mode"] == "whole" and "cannot store" in capsys.readouterr().err
     engine = decode.compile_engine(generation.load_model(checkpoint), "cpu", "auto")
     assert engine.ran_as == "stored"  # before any graph is loaded: the mode asked for
+
+
+@pytest.mark.slow
+def test_another_weights_file_of_a_built_shape_takes_a_copy_of_its_kernels(tmp_path, tokenizer_model, monkeypatch,
+                                                                            capsys):
+    """A stored graph's kernels do not depend on the weights' values: a second checkpoint of the same shape and
+    settings (other random weights) gets a copy of the first one's kernels, not a build, signed under its own key,
+    and decodes its own weights' eager tokens. A kept copy changed since it was kept is refused (a build), and the
+    kept kernels are bounded (least recently used out)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    paths = [write_checkpoint(tmp_path / f"m{seed}", tokenizer_model, seed=seed, dim=32, n_layer=1, n_head=2,
+                              vocab_size=512, block_size=64) for seed in (3, 4, 5)]
+    eager = [greedy(decode.compile_engine(generation.load_model(path), "cpu", "none")) for path in paths]
+    assert eager[0] != eager[1]  # the copy must read its own weights to pass
+    assert greedy(stored_engine(paths[0])) == eager[0]
+    assert "compiling the graph of" in capsys.readouterr().err
+    monkeypatch.setattr(compilation.StoredForward, "export", lambda *args: pytest.fail("built again"))
+    assert greedy(stored_engine(paths[1])) == eager[1]
+    assert "copied from kernels this machine built" in capsys.readouterr().err
+    metas = [json.loads(next((p.parent / "compiled").glob("*.meta.json")).read_text()) for p in paths[:2]]
+    assert metas[0]["key"] != metas[1]["key"] and metas[0]["fields"]["weights"] != metas[1]["fields"]["weights"]
+    [library] = (paths[1].parent / "compiled").glob("*.so")
+    assert artifacts.find(library.parent, library.stem, metas[1]["key"]) == (library, None)  # signed as built here
+    [kept] = artifacts.kept_directory().glob("*.so")
+    data = bytearray(kept.read_bytes())
+    data[len(data) // 2] ^= 1
+    kept.write_bytes(bytes(data))
+
+    def fails(*args):
+        raise RuntimeError("cannot export this model")
+    monkeypatch.setattr(compilation.StoredForward, "export", fails)
+    greedy(stored_engine(paths[2]))
+    assert "cannot store" in capsys.readouterr().err  # the changed copy was not taken: it tried to build
+    for i in range(3):  # three other settings' kernels, at most two kept: the oldest goes
+        artifacts.keep(library, dict(metas[1]["fields"], options={"n": i}), count=2)
+        time.sleep(0.01)
+    assert len(list(artifacts.kept_directory().glob("*.so"))) == 2
+    assert all(artifacts.kernels_key(dict(metas[1]["fields"], options={"n": i}))[:32] in
+               {p.stem for p in artifacts.kept_directory().glob("*.so")} for i in (1, 2))
 
 
 def test_a_loader_that_crashed_is_given_no_other_graph_to_build(checkpoint, tmp_path, monkeypatch, capsys):
