@@ -131,13 +131,6 @@ def move_cache_slots(model: Transformer, src: list, dst: list, rows: Optional[li
 # ----------------------------------------------------------------------------- the engine: how a model runs
 
 
-
-
-
-
-
-
-
 @dataclass
 class Engine:
     """A model with the callables that run it, and the one decision of how they are compiled (`mode`: none,
@@ -199,8 +192,6 @@ def sample_last(model: Transformer, h: Tensor, sampling: Sampling):
     return sample(model.output(model.norm(h[:, -1])), sampling)
 
 
-
-
 def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_prefill: bool = False,
                    features: tuple = ()) -> Engine:
     """The engine for `model` in compile `mode`.
@@ -245,47 +236,9 @@ def compile_engine(model: Transformer, device: str, mode: str = "auto", compile_
     return persisting(engine, cache)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def dropping_model(fn, forward):
     """fn(model, ...) run with `forward` in the model's place (it takes the model's arguments)."""
     return lambda _model, *args, **kwargs: fn(forward, *args, **kwargs)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def compile_regions(model: Transformer, compile_prefill: bool, features: tuple = ()) -> Engine:
@@ -307,10 +260,6 @@ def compile_regions(model: Transformer, compile_prefill: bool, features: tuple =
     if compile_prefill:
         engine.prefill = unfrozen(functools.partial(prefill, block=prompt_block))
     return engine
-
-
-
-
 
 
 EOS_CHECK_EVERY = 8  # plain decode looks at the host for EOS this often (a device->host sync each time)

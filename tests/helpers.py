@@ -58,7 +58,6 @@ def copy_checkpoint(source, directory, noise=0.0, sharpen=1.0, seed=0, **config)
     return directory / "model.pth"
 
 
-
 # ----------------------------------------------------------------------------- generate.py runs
 
 def load_cli():
@@ -92,7 +91,6 @@ def tokens(stats: dict) -> list:
 def plain_greedy(target, prompt=PROMPTS[0], n=40) -> list:
     """The target's own greedy continuation (no draft), computed once per target and prompt."""
     return tokens(run(target, "--ignore_eos", prompt=prompt, n=n))
-
 
 
 # ----------------------------------------------------------------------------- lossless sampling: chi-square

@@ -175,7 +175,6 @@ def test_compiled_greedy_identical(random_target, noisy_draft, monkeypatch):
     assert set(sizes) == {5}, sizes
 
 
-
 def cross_drafter(random_target, noisy_draft, k: int, mode: str = "none"):
     """The cross-tokenizer speculator of the noisy draft (its engine compiled in `mode`) for the random target."""
     target_tok, draft_tok = (tokenizer.get_tokenizer(p.parent) for p in (random_target, noisy_draft))
