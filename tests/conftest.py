@@ -24,6 +24,8 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 def pytest_unconfigure(config):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         shutil.rmtree(TEST_CACHE, ignore_errors=True)
+
+
 torch.set_num_threads(1)  # tiny models: threading only adds overhead (and contention on shared CI cores)
 
 

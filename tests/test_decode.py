@@ -14,6 +14,7 @@ from errors import UserError
 from helpers import copy_checkpoint
 from model import ModelArgs, Transformer
 
+
 def greedy(engine, prompt, n=12):
     return generation.generate(engine, prompt, n, decode.Sampling(), [], stop_at_eos=False)[0][0]
 

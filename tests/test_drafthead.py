@@ -288,6 +288,7 @@ def test_prose_passages_put_the_users_text_first_and_stop_near_the_budget(tmp_pa
     assert 30_000 <= total <= 33_000 and len({title for title, _ in passages}) > 1  # the user's, then the stdlib's
     assert all(300 <= len(text) <= 3000 for _, text in passages)
 
+
 def test_chat_requests_are_varied_unseen_and_reproducible():
     """The prompts the head is distilled on: as many different requests as asked, every kind of request among them,
     the same for a seed, and none about the topics of the benchmark's held-out questions."""

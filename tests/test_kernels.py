@@ -394,6 +394,7 @@ def test_int8_weights_times_float32_activations(isa, M, N, K):
     assert ((y.double() - want).abs() <= 1e-5 * (x.double().abs() @ reference.abs().t())).all()
     assert torch.equal(module(x[-1:]), y[-1:])  # a row's result does not depend on the rows beside it
 
+
 @pytest.mark.parametrize("M, N, K", [(1, 37, 576), (6, 64, 100), (7, 130, 33), (13, 5, 1000), (2, 200, 16)])
 def test_f32_linear_equals_float64_reference(isa, M, N, K):
     """Stored graphs' float32 products (fastgen::f32_linear on kernels.pack_f32's blocks of 64 outputs): x @ W^T

@@ -20,6 +20,7 @@ import generation
 import kernels
 from helpers import ROOT, write_checkpoint
 
+
 def run_script(script: str, checkpoint, cache_dir, threads: int = 1):
     """A script (formatted with the repository root and the checkpoint) in a new process with its own inductor cache:
     (the JSON of its last line of output, its stderr)."""
@@ -538,6 +539,7 @@ def test_a_graph_that_cannot_be_stored_is_not_built_again_in_every_run(checkpoin
     """A build that fails (an export error, a library that does not load) leaves a marker under its key: a later
     run with the same key compiles that shape in its process at once (one line); another key tries again."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no kernels kept for this shape: it builds
+
     def fails(*args):
         raise RuntimeError("cannot export this model")
 
@@ -570,6 +572,7 @@ def test_stats_say_the_graphs_ran_in_the_process_where_none_could_be_stored(chec
     """`--compile` whose graphs could not be stored here compiles them in the process: its stats JSON says
     `whole`, not `stored`."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no kernels kept for this shape: it builds
+
     def fails(*args):
         raise RuntimeError("cannot export this model")
     monkeypatch.setattr(compilation.StoredForward, "export", fails)
@@ -737,6 +740,7 @@ def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(smal
     AOTInductor's packager writes its .pt2), so the failure is torch's own RuntimeError of a real full disk. One
     line naming the library, and no `.failed` marker: a full disk says nothing about the graph, and the next run
     with room builds it."""
+
     def export(self, example, tmp):
         torch.save({"library": torch.zeros(1 << 18)}, tmp)
     monkeypatch.setattr(compilation.StoredForward, "export", export)

@@ -10,6 +10,7 @@ from helpers import (TEXT, STRINGS, LLAMA2_CONFIG, write_chatml_tokenizer, write
                      write_sentencepiece_model, write_llama2_json_tokenizer, auto_tokenizer)
 from errors import UserError
 
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
