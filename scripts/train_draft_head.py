@@ -31,6 +31,7 @@ Each phase's result is kept in OUT/work/ (written atomically); run the same comm
 """
 import argparse
 import ast
+import collections
 import json
 import math
 import random
@@ -80,6 +81,20 @@ FORCED_ASKS = ["Tell me about {title}.", "Explain {title}.", "Can you write a fe
                "What should I know about {title}?", "Describe {title} in detail."]
 
 
+def statements(tree: ast.AST):
+    """The statements of a module in ast.walk's order, without the expressions (most of its nodes, and none of them
+    a definition)."""
+    kinds = (ast.stmt, ast.excepthandler, ast.match_case)
+    todo = collections.deque([tree])
+    while todo:
+        node = todo.popleft()
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if isinstance(value, list):
+                todo.extend(v for v in value if isinstance(v, kinds))
+        yield node
+
+
 def prose_passages(texts: list, chars: int, rng: random.Random) -> list:
     """About `chars` characters of prose that ships offline, as (title, passage of ~1500 characters) pairs: the
     user's texts first, then the Python documentation's topics (pydoc_data) and the standard library's docstrings."""
@@ -95,7 +110,7 @@ def prose_passages(texts: list, chars: int, rng: random.Random) -> list:
             tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
         except (SyntaxError, ValueError):
             continue
-        docs = [ast.get_docstring(tree) or ""] + [ast.get_docstring(n) or "" for n in ast.walk(tree)
+        docs = [ast.get_docstring(tree) or ""] + [ast.get_docstring(n) or "" for n in statements(tree)
                                                    if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         sources.append((f"the Python module {path.stem}", "\n\n".join(d for d in docs if len(d) >= 80)))
     passages = []
