@@ -248,17 +248,26 @@ def token_texts(tokenizer, token_bytes: list, byte_ids: frozenset, context: list
 LOGPROB_FLOOR = -9999.0  # OpenAI's value for a token ruled out (JSON has no -Infinity)
 
 
-def logprob_entry(scores: torch.Tensor, token: int, top: int, text_of) -> dict:
-    """OpenAI's logprobs record of `token` chosen from a row of the target's logits (or log-probabilities) [V]:
-    {"token", "logprob", "bytes", "top_logprobs": the `top` likeliest tokens'}. The distribution is the target's
-    own at temperature 1 (log_softmax of its logits; of log-probabilities, the same), whatever the request's
-    sampling settings: what a client scoring text needs."""
-    scores = scores.float().log_softmax(-1).nan_to_num(LOGPROB_FLOOR, LOGPROB_FLOOR, LOGPROB_FLOOR).clamp_min(
-        LOGPROB_FLOOR)
-    values, ids = scores.topk(top) if top else (scores[:0], scores[:0].long())
-    out = dict(zip(("token", "bytes"), text_of(token)), logprob=float(scores[token]))
-    out["top_logprobs"] = [dict(zip(("token", "bytes"), text_of(i)), logprob=v)
-                           for i, v in zip(ids.tolist(), values.tolist())]
+def logprob_values(scores: torch.Tensor, tokens: list, top: int, rows: int = 256) -> list:
+    """Per row of the target's logits (or log-probabilities) [n, V]: (the logprob of tokens[i], the `top` likeliest
+    (id, logprob) pairs). The distribution is the target's own at temperature 1 (log_softmax of its logits; of
+    log-probabilities, the same), whatever the request's sampling settings: what a client scoring text needs. One
+    transfer to the host per `rows` rows (a prompt's thousands of positions are not scored one by one)."""
+    out = []
+    for at in range(0, scores.shape[0], rows):
+        part = scores[at:at + rows].float().log_softmax(-1).nan_to_num(LOGPROB_FLOOR, LOGPROB_FLOOR, LOGPROB_FLOOR)
+        part = part.clamp_min(LOGPROB_FLOOR)
+        chosen = part.gather(-1, torch.tensor(tokens[at:at + rows], device=part.device).view(-1, 1)).view(-1)
+        values, ids = part.topk(top, -1) if top else (part[:, :0], part[:, :0].long())
+        out += [(c, list(zip(i, v))) for c, i, v in zip(chosen.tolist(), ids.tolist(), values.tolist())]
+    return out
+
+
+def logprob_entry(value: tuple, token: int, text_of) -> dict:
+    """OpenAI's logprobs record of `token` from its logprob_values: {"token", "logprob", "bytes", "top_logprobs"}."""
+    logprob, top = value
+    out = dict(zip(("token", "bytes"), text_of(token)), logprob=logprob)
+    out["top_logprobs"] = [dict(zip(("token", "bytes"), text_of(i)), logprob=v) for i, v in top]
     return {key: out[key] for key in ("token", "logprob", "bytes", "top_logprobs")}
 
 
@@ -596,7 +605,8 @@ class Scheduler:
         try:
             if r.logprobs is not None:  # before the token's text: a stream sends both in one chunk
                 context = (r.prompt_ids[-CONTEXT:] + r.tokens[-CONTEXT:])[-CONTEXT:]
-                r.push(("logprobs", [self.score(r, context, token, scores)]))
+                value = logprob_values(scores.view(1, -1), [token], r.logprobs)[0] if scores is not None else None
+                r.push(("logprobs", [self.score(r, context, token, value)]))
             finished = add_token(r, token, self.tokenizer, self.eos, self.byte_ids)
         except Exception as e:
             log.exception("a request failed")
@@ -612,15 +622,15 @@ class Scheduler:
     def token_bytes(self) -> list:
         return self.tokenizer.token_bytes()
 
-    def score(self, r: Request, context: list, token: int, scores: Optional[torch.Tensor]) -> dict:
-        """The logprobs record of r's `token` after the ids `context` (the last CONTEXT: its text's), its logprob
-        None where nothing scored it (a prompt's first token), with its text_offset in r's answer (a special token,
-        which the answer's text leaves out, takes no room there)."""
+    def score(self, r: Request, context: list, token: int, value: Optional[tuple]) -> dict:
+        """The logprobs record of r's `token` after the ids `context` (the last CONTEXT: its text's), from its
+        logprob_values (None where nothing scored it: a prompt's first token), with its text_offset in r's answer
+        (a special token, which the answer's text leaves out, takes no room there)."""
         text_of = token_texts(self.tokenizer, self.token_bytes, self.byte_ids, context)
-        if scores is None:
+        if value is None:
             entry = dict(zip(("token", "bytes"), text_of(token)), logprob=None, top_logprobs=None)
         else:
-            entry = logprob_entry(scores, token, r.logprobs, text_of)
+            entry = logprob_entry(value, token, text_of)
         special = token >= len(self.token_bytes) or self.token_bytes[token] is None
         entry["text_offset"] = r.offset
         r.offset += len(r.offset_decoder.decode(b"" if special else bytes(entry["bytes"])))
@@ -631,8 +641,9 @@ class Scheduler:
         prompt's first token (at start 0)."""
         ids = r.prompt_ids
         out = [self.score(r, [], ids[0], None)] if start == 0 else []
-        return out + [self.score(r, ids[max(i - CONTEXT, 0):i], ids[i], logits[i - 1 - start])
-                      for i in range(start + 1, min(start + n + 1, len(ids)))]
+        scored = range(start + 1, min(start + n + 1, len(ids)))
+        values = logprob_values(logits[:len(scored)], [ids[i] for i in scored], r.logprobs)
+        return out + [self.score(r, ids[max(i - CONTEXT, 0):i], ids[i], value) for i, value in zip(scored, values)]
 
     # --- the prefix cache (docs/serve.md, "Prefix cache")
 
