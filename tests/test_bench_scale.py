@@ -91,7 +91,10 @@ def test_tiny_shape_end_to_end_without_llama_cpp(tmp_path):
         assert step["growth"] == step["rss"] - memory["rss_loaded"] - step["caches"]
     growth = max(step["growth"] for step in steps)
     assert memory["max_growth"] == growth and memory["x_checkpoint"] == growth / memory["checkpoint_bytes"]
-    assert memory["one_copy"] == (growth < memory["threshold"] * memory["checkpoint_bytes"])
+    held = max(step["rss"] - memory["rss_before_load"] - step["caches"] for step in steps)
+    assert memory["max_held"] == held and memory["x_held"] == held / memory["checkpoint_bytes"]
+    assert memory["one_copy"] == (growth < memory["threshold"] * memory["checkpoint_bytes"]
+                                  and held < memory["held_threshold"] * memory["checkpoint_bytes"])
     assert memory["checkpoint_bytes"] < bench_scale.RESOLVES and memory["resolves"] is False
     verdict = "one copy of the weights" if memory["one_copy"] else "MORE THAN ONE COPY"
     [line] = [line for line in done.stdout.splitlines() if line.startswith("ours fp32: checkpoint ")]
