@@ -22,7 +22,10 @@ bits (fp32 / F32, bf16 / BF16, int8 and int8-a8 / Q8_0, int4 and int4-a8 / Q4_0 
 both 4.5 bits a weight, where g32's bf16 scale and zero per 32 make 5, as Q4_1's). Where fp32 runs, our
 logits are checked against transformers' on the same weights and sequence. A precision whose weights exceed 3/4 of
 the machine's memory is skipped with one line (fp32 at 8B on a 24 GiB machine), as is a shape with too little disk.
-The JSON (--json) holds the same, and a PNG chart of tokens/s per precision is written beside it.
+After the timing, one copy of the weights: per precision of ours, one process holds the stored graphs of batch 1
+and 2, each run at cache lengths 256 and 1024 (scripts/compile_model.py builds the graph of batch 2 first, in a
+process of its own), and its RSS growth beyond the loaded model and its caches is held against the checkpoint's
+bytes (memory_check). The JSON (--json) holds the same, and a PNG chart of tokens/s per precision is written beside it.
 """
 import argparse
 import json
@@ -408,6 +411,113 @@ def logits_check(shape: Shape, row: dict) -> dict:
             "top1_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
 
 
+# ----------------------------------------------------------------------------- one copy of the weights
+
+BATCHES, LENGTHS = (1, 2), (256, 1024)  # the graphs one process holds, each run at every cache length
+# One copy of the weights, in fractions of the checkpoint's bytes: the RSS grows beyond the loaded model and its caches
+# by less than WORKING_SET (no graph adds a copy), and holds beyond what it held before loading, caches aside, less
+# than 1 + 2 * WORKING_SET (the load keeps no second copy either). A second copy adds at least 1x, while what comes
+# beside the weights (the graphs' code, a forward's activations and logits, the allocator's slack) does not grow
+# with them.
+WORKING_SET = 0.25
+# Below this many bytes of weights a copy of them is no larger than what loading the graphs' code and the allocator
+# move the RSS by: the check cannot tell one copy from two (the tiny shape).
+RESOLVES = 64e6
+
+
+def rss() -> dict:
+    """This process's resident bytes (/proc/self/status): in all, anonymous and mapped from files."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssAnon", "RssFile"):
+            fields[{"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}[name]] = int(value.split()[0]) * 1024
+    return fields
+
+
+def read_every_page(model):
+    """One byte of every page of every tensor the model holds, read: weights still mapped from the file count in the
+    RSS after load as they do after a first forward (which reads them all), so what a graph adds is its own."""
+    seen = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            torch.empty(0, dtype=torch.uint8).set_(storage)[::4096].sum()
+
+
+def cache_bytes(model) -> int:
+    """The KV caches and RoPE table the model holds now."""
+    return sum(t.nbytes for name, t in model.named_buffers() if "kv_cache" in name or name == "rope_table")
+
+
+def hold_graphs(checkpoint: str, precision: str, new_tokens: int, out: str):
+    """Run in a process of its own: the checkpoint loaded as `generate.py --compile` loads it (stored graphs), then
+    the graphs of BATCHES, each greedy-decoding new_tokens at every cache length of LENGTHS, all held at once; the
+    RSS before loading, after it and after each run, written to `out` as JSON."""
+    import artifacts
+    compiled = artifacts.directory_for(checkpoint)
+    libraries = {p.name: p.stat().st_mtime for p in compiled.glob("*.so")}
+    before = rss()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # as run_ours runs it
+    generator = generation.Generator.build(checkpoint, precision=dtype, compile="auto")
+    model = generator.model
+    read_every_page(model)
+    loaded = rss()
+    prompt = generator.encode(PROMPT)
+    steps = []
+    for batch in BATCHES:
+        for length in LENGTHS:
+            model.setup_caches(batch, length)  # a new cache: a larger batch, or a longer one
+            generator.generate(prompt, new_tokens, generation.Sampling(0.0), stop_at_eos=False, batch_size=batch)
+            steps.append(dict(rss(), batch=batch, length=length, caches=cache_bytes(model)))
+    graphs = generator.target.stored.graphs if generator.target.stored is not None else {}
+    Path(out).write_text(json.dumps({
+        "before": before, "loaded": loaded, "steps": steps, "mode": generator.target.mode,
+        "graphs": sorted(f"b{b}of{c}" for (b, c), (_, bind) in graphs.items() if bind is not None),
+        "built": sorted(p.name for p in compiled.glob("*.so") if libraries.get(p.name) != p.stat().st_mtime)}))
+
+
+def memory_check(shape: Shape, precision: str, args) -> dict:
+    """One process holding the stored graphs of two batch sizes at two cache lengths each (hold_graphs), its RSS
+    growth beyond the loaded model and its caches against the checkpoint's bytes: one copy of the weights where the
+    growth stays below WORKING_SET of them. The timing rounds built the graph of batch 1; compile_model.py builds
+    (or finds) the others first, in a process of its own, so the one measured only loads graphs."""
+    path = shape.path(precision)
+    inductor = shape.dir / "inductor-cache"
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor), OMP_NUM_THREADS=str(args.threads))
+    out = shape.runs / f"{precision}-memory.json"
+    out.unlink(missing_ok=True)
+    try:
+        log = shape.runs / f"{precision}-graphs.log"
+        built = run_measured([sys.executable, ROOT / "scripts/compile_model.py", "--checkpoint_path", path,
+                              "--batch_size", *BATCHES, "--precision", "bf16" if precision == "bf16" else "fp32"],
+                             log, env=env)
+        if built["returncode"]:
+            return {"precision": precision, "error": failure(built, log)}
+        log = shape.runs / f"{precision}-memory.log"
+        held = run_measured([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); "
+                             f"import bench_scale; bench_scale.hold_graphs({str(path)!r}, {precision!r}, "
+                             f"{args.new_tokens}, {str(out)!r})"], log, env=env)
+    finally:
+        shutil.rmtree(inductor, ignore_errors=True)
+    if held["returncode"]:
+        return {"precision": precision, "error": failure(held, log)}
+    got = json.loads(out.read_text())
+    weights = path.stat().st_size
+    loaded = got["loaded"]["rss"]
+    steps = [dict(step, growth=step["rss"] - loaded - step["caches"]) for step in got["steps"]]
+    growth = max(step["growth"] for step in steps)
+    held = max(step["rss"] - got["before"]["rss"] - step["caches"] for step in steps)
+    return {"precision": precision, "checkpoint_bytes": weights, "rss_before_load": got["before"]["rss"],
+            "rss_loaded": loaded, "loaded_anon": got["loaded"]["anon"], "loaded_file": got["loaded"]["file"],
+            "steps": steps, "graphs": got["graphs"], "mode": got["mode"], "built_while_measured": got["built"],
+            "graphs_build_s": built["seconds"], "max_growth": growth, "x_checkpoint": growth / weights,
+            "max_held": held, "x_held": held / weights, "threshold": WORKING_SET, "held_threshold": 1 + 2 * WORKING_SET,
+            "one_copy": growth < WORKING_SET * weights and held < (1 + 2 * WORKING_SET) * weights,
+            "resolves": weights >= RESOLVES}
+
+
 # ----------------------------------------------------------------------------- report
 
 COLUMNS = ["config", "tokens_per_sec", "peak_rss_gb", "file_gb", "load_s", "first_build_s", "build_rss_gb", "runs",
@@ -431,9 +541,43 @@ def report(name: str, result: dict):
             f"{check['max_abs_diff']:.3g} at logit scale {check['logit_scale']:.3g} (relative {check['relative']:.2g}, "
             f"tolerance {check['tolerance']:g}): {'ok' if check['passed'] else 'FAILED'}; same argmax at "
             f"{100 * check['top1_agree']:.1f}% of positions")
+    if result.get("memory"):
+        memory_report(result["memory"])
     for skipped in result.get("skipped", []):
         say(f"skipped: {skipped}")
     say(f"disk: {result['disk_gb']:.1f} GB under {result['dir']}")
+
+
+def memory_report(checks: list):
+    """memory_check's RSS after loading and after each graph and cache length, then its verdict, per precision."""
+    gb = 1e9
+    say(f"\none process holding the stored graphs of batch {' and '.join(map(str, BATCHES))} at cache lengths "
+        f"{' and '.join(map(str, LENGTHS))}: RSS (GB), growth beyond the loaded model and its caches")
+    table = []
+    for check in checks:
+        if "error" in check:
+            table.append({"config": f"ours {check['precision']}", "step": "error", "error": check["error"]})
+            continue
+        table.append({"config": f"ours {check['precision']}", "step": "loaded", "rss_gb": check["rss_loaded"] / gb,
+                      "anon_gb": check["loaded_anon"] / gb, "file_gb": check["loaded_file"] / gb})
+        table += [{"config": f"ours {check['precision']}", "step": f"b{step['batch']} x {step['length']}",
+                   "rss_gb": step["rss"] / gb, "anon_gb": step["anon"] / gb, "file_gb": step["file"] / gb,
+                   "caches_gb": step["caches"] / gb, "growth_gb": step["growth"] / gb,
+                   "x_checkpoint": step["growth"] / check["checkpoint_bytes"]} for step in check["steps"]]
+    benchlib.print_table(table, ["config", "step", "rss_gb", "anon_gb", "file_gb", "caches_gb", "growth_gb",
+                                 "x_checkpoint", "error"])
+    for check in checks:
+        if "error" in check:
+            continue
+        built = ", ".join(check["built_while_measured"]) or "none"
+        say(f"ours {check['precision']}: checkpoint {check['checkpoint_bytes'] / gb:.2f} GB, RSS "
+            f"{check['rss_before_load'] / gb:.2f} GB before loading and {check['rss_loaded'] / gb:.2f} GB loaded; "
+            f"growth at most {check['max_growth'] / gb:.3f} GB ({check['x_checkpoint']:.3f}x the checkpoint, limit "
+            f"{check['threshold']}x), held beyond the RSS before loading at most {check['max_held'] / gb:.2f} GB "
+            f"({check['x_held']:.2f}x, limit {check['held_threshold']}x), caches aside: "
+            f"{'one copy of the weights' if check['one_copy'] else 'MORE THAN ONE COPY'}"
+            f"{'' if check['resolves'] else ' (too few weights for the RSS to tell one copy from two)'} (graphs "
+            f"{', '.join(check['graphs']) or 'none stored'}; built while measured: {built})")
 
 
 def chart(results: dict, path: Path):
@@ -561,11 +705,15 @@ def main(argv=None):
         shape.build(precisions)
         built_s = time.perf_counter() - start
         rows = measure(shape, precisions, args)
+        memory = []
+        for precision in [p for p in precisions if p in OURS and "error" not in rows[p]]:  # after the timing
+            say(f"  {name} {precision}: one process holding the graphs of batch sizes {BATCHES} ...")
+            memory.append(memory_check(shape, precision, args))
         result = {"params": shape.params, "config": dict(COMMON, **SHAPES[name][0]), "made_in": shape.made_in,
                   "threads": args.threads, "new_tokens": args.new_tokens, "repeats": args.repeats,
                   "rows": [{k: v for k, v in row.items() if k not in ("prompt_tokens", "tokens")}
                            for row in rows.values()],
-                  "ratios": ratios(rows), "stages": shape.stages, "build_seconds": built_s,
+                  "ratios": ratios(rows), "memory": memory, "stages": shape.stages, "build_seconds": built_s,
                   "skipped": skipped, "dir": str(shape.dir)}
         if "tokens" in rows.get("fp32", {}) and shape.hf.is_dir():
             result["logits_check"] = logits_check(shape, rows["fp32"])

@@ -1,6 +1,7 @@
 """scripts/bench_scale.py: its shapes are the real models' bodies, it says in one line what this machine cannot hold,
 and at the tiny shape it runs end to end (no llama.cpp here): files converted, stored graphs built and timed, logits
-checked against transformers, the table's fields in the JSON and a chart beside it."""
+checked against transformers, one process's RSS holding the graphs of two batch sizes and cache lengths, the
+table's fields in the JSON and a chart beside it."""
 import json
 import subprocess
 import sys
@@ -74,6 +75,31 @@ def test_tiny_shape_end_to_end_without_llama_cpp(tmp_path):
         assert row["file_gb"] == pytest.approx(files[precision].stat().st_size / 1e9)
     check = result["logits_check"]
     assert check["passed"] and check["relative"] <= 1e-3 and check["positions"] > 8 and check["top1_agree"] > 0.5
+    # one process holding the graphs of batch 1 and 2 at two cache lengths each: its RSS after each, the growth beyond
+    # the loaded model and its caches, and the verdict, all from what it measured (the tiny shape's weights are too
+    # few for the RSS to tell one copy from two, and the check says so)
+    [memory] = result["memory"]
+    assert memory["precision"] == "fp32" and "error" not in memory
+    assert memory["checkpoint_bytes"] == files["fp32"].stat().st_size
+    assert memory["graphs"] == ["b1of1", "b2of2"] and memory["built_while_measured"] == []
+    assert memory["mode"] == "stored"
+    steps = memory["steps"]
+    assert [(step["batch"], step["length"]) for step in steps] == [(1, 256), (1, 1024), (2, 256), (2, 1024)]
+    assert steps[0]["caches"] < steps[1]["caches"] and steps[2]["caches"] < steps[3]["caches"]
+    assert 0 < memory["rss_before_load"] < memory["rss_loaded"] < 16e9
+    for step in steps:
+        assert step["growth"] == step["rss"] - memory["rss_loaded"] - step["caches"]
+    growth = max(step["growth"] for step in steps)
+    assert memory["max_growth"] == growth and memory["x_checkpoint"] == growth / memory["checkpoint_bytes"]
+    held = max(step["rss"] - memory["rss_before_load"] - step["caches"] for step in steps)
+    assert memory["max_held"] == held and memory["x_held"] == held / memory["checkpoint_bytes"]
+    assert memory["one_copy"] == (growth < memory["threshold"] * memory["checkpoint_bytes"]
+                                  and held < memory["held_threshold"] * memory["checkpoint_bytes"])
+    assert memory["checkpoint_bytes"] < bench_scale.RESOLVES and memory["resolves"] is False
+    verdict = "one copy of the weights" if memory["one_copy"] else "MORE THAN ONE COPY"
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("ours fp32: checkpoint ")]
+    assert f"{verdict} (too few weights for the RSS to tell one copy from two)" in line, line
+    assert "b2 x 1024" in done.stdout
     stages = [s["stage"] for s in result["stages"]]
     assert stages == ["transformers checkpoint", "convert_hf_checkpoint.py fp32"]
     # embedding (tied output), per layer q and o, k and v (2 of 4 heads), the MLP, two norms; the final norm

@@ -150,6 +150,60 @@ def test_stored_graphs_hold_kernels_only_serve_every_cache_length_and_read_the_m
     assert not any(needle in f.read_bytes() for f in built_now)
 
 
+HOLD_RUN = """
+import json, os, sys, torch
+sys.path.insert(0, {root!r})
+import decode, generation, kernels
+
+def rss():
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    return int(status["VmRSS"].split()[0]) * 1024
+
+kernels.a8_kernels()  # the code the model runs, loaded before counting
+before = rss()
+engine = decode.compile_engine(generation.load_model({path!r}), "cpu", "auto")
+model = engine.model
+storages = {{t.untyped_storage().data_ptr(): t.untyped_storage() for t in [*model.parameters(), *model.buffers()]}}
+for storage in storages.values():  # every page read once, as a first forward reads them (the file's pages count)
+    torch.empty(0, dtype=torch.uint8).set_(storage)[::4096].sum()
+weights = os.path.getsize({path!r})  # the checkpoint's bytes: a copy the load made counts against them
+loaded, growth, held = rss(), [], []
+with torch.no_grad():
+    for batch in (1, 2):
+        for length in (64, 256):
+            model.setup_caches(batch, length)
+            engine.forward(torch.tensor([[4, 8, 15, 16, 23]]).expand(batch, 5), torch.arange(5).expand(batch, 5))
+            caches = sum(t.nbytes for name, t in model.named_buffers() if "kv_cache" in name or name == "rope_table")
+            growth.append(rss() - loaded - caches)
+            held.append(rss() - before - caches)
+print(json.dumps({{"weights": weights, "growth": growth, "held": held,
+                  "graphs": sorted(f"b{{b}}of{{c}}" for (b, c), (_, bind) in engine.stored.graphs.items() if bind)}}))
+"""
+
+
+@pytest.mark.slow  # two builds, in a process of their own
+def test_a_process_holding_two_batch_sizes_graphs_at_two_cache_lengths_holds_one_copy_of_the_weights(
+        tmp_path, tokenizer_model):
+    """By the RSS of a process of its own: a model whose weights (over 64 MB: a copy of them is far above what the RSS
+    moves by otherwise) loads its stored graphs of batch 1 and 2, each run at two cache lengths, and the RSS grows
+    beyond the loaded model and its caches by under a quarter of the weights, while all the process holds beyond what
+    it held before loading, caches aside, stays under one and a half times the weights. A graph holding a copy of the
+    weights (a binding not user-managed, say) grows it by a whole copy."""
+    checkpoint = write_checkpoint(tmp_path / "wide", tokenizer_model, seed=5, dim=512, n_layer=2, n_head=8,
+                                  n_local_heads=2, vocab_size=16384, block_size=256)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/compile_model.py"), "--checkpoint_path",
+                           str(checkpoint), "--batch_size", "1", "2"], capture_output=True, text=True, cwd=ROOT,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    held, err = run_script(HOLD_RUN, checkpoint, tmp_path / "inductor")
+    assert "compiling the graph of" not in err  # loaded, as compile_model.py stored them
+    assert held["graphs"] == ["b1of1", "b2of2"]
+    assert held["weights"] > 64e6
+    assert max(held["growth"]) < 0.25 * held["weights"], held
+    assert max(held["held"]) < 1.5 * held["weights"], held  # a second copy anywhere: over twice the weights
+
+
 @pytest.mark.slow
 def test_cli_compile_stores_then_loads(stored, tmp_path):
     """generate.py --compile loads the graph stored by the test above (or builds it) and decodes the eager tokens,
@@ -443,6 +497,8 @@ def fails(*args):
     raise RuntimeError("cannot export this model")
 compilation.StoredForward.export = fails
 compilation.graph_options = lambda model, device, mode: {{"options": {{"freezing": False}}}}  # frozen: not cacheable
+kernels.a8_kernels()  # the code the model runs, loaded before counting
+before = rss()
 engine = decode.compile_engine(generation.load_model({path!r}), "cpu", "auto")
 rows, _ = generation.generate(engine, torch.tensor([1, 5, 9, 2, 7]), 6, decode.Sampling(), [], stop_at_eos=False)
 print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_cache_miss"],
