@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import benchlib  # noqa: E402
 from benchlib import ROOT  # noqa: E402
 import generation  # noqa: E402
+import kernels  # noqa: E402
 import quantize  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -338,15 +339,26 @@ def run_llama(shape: Shape, precision: str, args, turn: int) -> dict:
             "peak_rss_gb": result["peak_rss_gb"], "load_s": result["seconds"] - decode}
 
 
+def child_env(shape: Shape, args) -> dict:
+    """Our processes' environment: the shape's own inductor cache and user cache (the key that signs its stored
+    graphs, and the kernels kept for other weights files of a shape, artifacts.kept_directory, which a cold round
+    clears), the a8 kernels' build kept where the user's is."""
+    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(shape.dir / "inductor-cache"),
+                XDG_CACHE_HOME=str(shape.dir / "user-cache"), OMP_NUM_THREADS=str(args.threads),
+                TORCH_EXTENSIONS_DIR=str(kernels.build_directory(ROOT / "kernels_a8.cpp").parent))
+
+
 def measure(shape: Shape, precisions: list, args) -> dict:
     """Every configuration in turn, a first round (ours: the build) then --repeats counted rounds. Returns
     precision -> row."""
+    env = child_env(shape, args)
     for directory in {shape.path(p).parent for p in precisions if p in OURS}:
         if not args.keep_graphs:  # the first round builds them
             shutil.rmtree(directory / "compiled", ignore_errors=True)
-    inductor = shape.dir / "inductor-cache"
+    if not args.keep_graphs:  # and builds them, not copies of kernels an earlier run kept
+        shutil.rmtree(Path(env["XDG_CACHE_HOME"]) / "fastgen" / "kernels", ignore_errors=True)
+    inductor = Path(env["TORCHINDUCTOR_CACHE_DIR"])
     shutil.rmtree(inductor, ignore_errors=True)  # a cold build, as a new user's
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor), OMP_NUM_THREADS=str(args.threads))
     rows = {p: {"engine": "ours" if p in OURS else "llama.cpp", "precision": p, "bits": BITS[p],
                 "file_gb": shape.path(p).stat().st_size / 1e9, "runs": 0} for p in precisions}
     try:
@@ -362,7 +374,8 @@ def measure(shape: Shape, precisions: list, args) -> dict:
                     continue
                 if turn == 0:
                     if precision in OURS:
-                        row.update(first_build_s=got["build_s"], build_rss_gb=got["peak_rss_gb"],
+                        row.update(first_build_s=None if args.keep_graphs else got["build_s"],  # kept: no build
+                                   build_rss_gb=got["peak_rss_gb"],
                                    prompt_tokens=got["prompt_tokens"], tokens=got["tokens"])
                     say(f"  {shape.name} {precision}: first run {got['tokens_per_sec']:.1f} tok/s"
                         + (f", build {got['build_s']:.1f} s, peak RSS {got['peak_rss_gb']:.2f} GB"
@@ -484,8 +497,8 @@ def memory_check(shape: Shape, precision: str, args) -> dict:
     growth stays below WORKING_SET of them. The timing rounds built the graph of batch 1; compile_model.py builds
     (or finds) the others first, in a process of its own, so the one measured only loads graphs."""
     path = shape.path(precision)
-    inductor = shape.dir / "inductor-cache"
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor), OMP_NUM_THREADS=str(args.threads))
+    env = child_env(shape, args)
+    inductor = Path(env["TORCHINDUCTOR_CACHE_DIR"])
     out = shape.runs / f"{precision}-memory.json"
     out.unlink(missing_ok=True)
     try:
@@ -651,6 +664,9 @@ def parse_args(argv=None):
                    help="a llama.cpp source tree with build/bin (default: no llama.cpp columns)")
     p.add_argument("--only", default="", help=f"comma-separated precisions to run, of {', '.join(OURS + LLAMA)} "
                                               f"(default: all)")
+    p.add_argument("--memory_check", default="", metavar="PRECISIONS",
+                   help="comma-separated precisions of ours whose one-copy-of-the-weights check runs after the timing "
+                        "(default: every one timed; none: no check)")
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="counted runs of each configuration (best is reported)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -667,6 +683,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.work_dir = args.work_dir.expanduser().resolve()
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    if args.memory_check not in ("", "none"):
+        args.memory_check = [s.strip() for s in args.memory_check.split(",") if s.strip()]
+        unknown = [s for s in args.memory_check if s not in OURS]
+        if unknown:
+            raise UserError(f"--memory_check {','.join(unknown)!r}: not a precision of ours ({', '.join(OURS)})")
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.shapes:
         raise UserError(f"--shapes {','.join(unknown) or repr('')}: choose from {', '.join(SHAPES)}")
@@ -706,7 +727,8 @@ def main(argv=None):
         built_s = time.perf_counter() - start
         rows = measure(shape, precisions, args)
         memory = []
-        for precision in [p for p in precisions if p in OURS and "error" not in rows[p]]:  # after the timing
+        checked = [] if args.memory_check == "none" else args.memory_check or OURS
+        for precision in [p for p in precisions if p in checked and "error" not in rows[p]]:  # after the timing
             say(f"  {name} {precision}: one process holding the graphs of batch sizes {BATCHES} ...")
             memory.append(memory_check(shape, precision, args))
         result = {"params": shape.params, "config": dict(COMMON, **SHAPES[name][0]), "made_in": shape.made_in,
