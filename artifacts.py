@@ -110,8 +110,25 @@ def file_sha256(path) -> str:
     return digest.hexdigest()
 
 
-def signature(library, key: str) -> str:
-    """The HMAC of the library and of its operator table (if it has one)."""
+def file_stamp(path) -> str:
+    """What the kernel records of a file's last change: device, inode, size, mtime and ctime (set by the kernel on
+    every write, truncation, rename, chmod or utime, and by no call to any value asked for), with the sampled hash
+    of file_identity."""
+    stat = os.stat(path)
+    return json.dumps([stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
+                       file_identity(path)["sample_sha256"]])
+
+
+def signature(library, key: str, content: bool = True) -> str:
+    """The HMAC of the library and of its operator table (if it has one). content=False (a large data file, read
+    in place, whose whole hash would take as long as making it): of its file_stamp instead, so that a file changed
+    or replaced since it was signed, copied in or written by hand no longer verifies; it must belong to this user
+    and be writable by no one else (store writes it so), or no other user's change would show in its stamp."""
+    if not content:
+        stat = os.stat(library)
+        if stat.st_uid != os.getuid() or stat.st_mode & 0o022:
+            return "-"
+        return hmac.new(signing_key(), f"{key}:{file_stamp(library)}".encode(), hashlib.sha256).hexdigest()
     table = Path(library).with_suffix(".json")
     return sign(key, file_sha256(library), file_sha256(table) if table.exists() else "-")
 
@@ -130,9 +147,10 @@ def directory_for(checkpoint_path) -> Path:
     return cache_home() / "compiled" / name
 
 
-def find(directory: Path, name: str, key: str, suffix: str = ".so"):
+def find(directory: Path, name: str, key: str, suffix: str = ".so", content: bool = True):
     """The stored library `name` (or another artifact: `suffix`) if it exists, was built for `key` and carries this
-    user's signature: (path, None); else (None, why it cannot be used, or None when there is none)."""
+    user's signature (`content`: of signature): (path, None); else (None, why it cannot be used, or None when there
+    is none)."""
     library, meta_path = directory / f"{name}{suffix}", directory / f"{name}.meta.json"
     if not library.exists() or not meta_path.exists():
         return None, None
@@ -142,15 +160,16 @@ def find(directory: Path, name: str, key: str, suffix: str = ".so"):
         return None, "its metadata is unreadable"
     if not isinstance(meta, dict) or meta.get("key") != key:
         return None, "it was built for other weights, options or software"
-    if not hmac.compare_digest(str(meta.get("signature", "")), signature(library, key)):
+    if not hmac.compare_digest(str(meta.get("signature", "")), signature(library, key, content)):
         return None, "it was not built on this machine by this user, or it was changed since"
     return library, None
 
 
-def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str = ".so") -> Path:
+def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str = ".so", content: bool = True) \
+        -> Path:
     """Build the library (or another artifact: `suffix`) into a temp file beside its final name (`build(path)`,
-    which returns its operator table's text or None), then publish them and the signed metadata; other artifacts of
-    the same name stem (older keys) are removed. Returns the artifact's path."""
+    which returns its operator table's text or None), then publish them and the signed metadata (`content`: of
+    signature); other artifacts of the same name stem (older keys) are removed. Returns the artifact's path."""
     library, meta_path = directory / f"{name}{suffix}", directory / f"{name}.meta.json"
     table = directory / f"{name}.json"
     start = time.perf_counter()
@@ -160,13 +179,13 @@ def store(directory: Path, name: str, key: str, fields: dict, build, suffix: str
     if built["table"] is not None:
         write_atomically(table, lambda tmp: tmp.write_text(built["table"]))
     meta = {"key": key, "fields": fields, "build_seconds": round(time.perf_counter() - start, 1),
-            "bytes": library.stat().st_size, "signature": signature(library, key)}
+            "bytes": library.stat().st_size, "signature": signature(library, key, content)}
     write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=str)))
     stem = name.rsplit("-", 1)[0]
     for old in directory.glob(f"{stem}-*.meta.json"):
         old_name = old.name[:-len(".meta.json")]
         if old_name != name:
-            for old_suffix in (".so", ".bin", ".json", ".meta.json", ".failed"):
+            for old_suffix in (".so", ".bin", ".pth", ".json", ".meta.json", ".failed"):
                 (directory / f"{old_name}{old_suffix}").unlink(missing_ok=True)
     return library
 

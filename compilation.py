@@ -548,20 +548,21 @@ class StoredHead(StoredGraph):
 
 def inventory(directory: Path, weights_directory: Optional[Path] = None) -> list:
     """What a compiled/ directory holds: one row per artifact (its files together: library, operator table,
-    metadata, failure marker) with its bytes, kind, and why it is stale (None if this machine, software and code
-    would still load it): built for a weights file that changed or is gone, other software or another machine, older
-    source code, or something unreadable. Graphs of other batch sizes or modes are not stale: another run may use
+    metadata, failure marker; or a checkpoint's packed copy, quantize.store_packed) with its bytes, kind, and why
+    it is stale (None if this machine, software and code would still load it): built for a weights file that
+    changed or is gone, other software or another machine, older source code, or something unreadable. Graphs of other batch sizes or modes are not stale: another run may use
     them; a failed build's marker is (pruning it retries the build). weights_directory: where the weights files
     are (default: the directory above compiled/)."""
     import artifacts
     here = {k: v for k, v in artifacts.machine().items() if k != "threads"}
     sources = {artifacts.sources_digest(TRACED_MODULES), artifacts.sources_digest(TRACED_MODULES + ("drafthead",))}
+    packed_sources = {artifacts.sources_digest(("quantize",))}  # the layouts of a packed copy (quantize.packed_key)
     native = artifacts.file_sha256(Path(__file__).with_name("kernels_a8.cpp"))
     identities = {}
     groups = {}
     for path in sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []:
         name = path.name
-        for suffix in (".meta.json", ".failed", ".so", ".bin", ".json"):
+        for suffix in (".meta.json", ".failed", ".so", ".bin", ".pth", ".json"):
             if name.endswith(suffix) and not name.startswith("."):
                 name = name[:-len(suffix)]
                 break
@@ -570,9 +571,10 @@ def inventory(directory: Path, weights_directory: Optional[Path] = None) -> list
     for name, paths in groups.items():
         meta = Path(directory) / f"{name}.meta.json"
         kind = ("timings" if name.startswith("auto-timings-") else "failed build" if paths[0].suffix == ".failed"
-                and len(paths) == 1 else "kernels" if "-kernels-" in name else "graph")
+                and len(paths) == 1 else "kernels" if "-kernels-" in name else "packed copy" if "-packed-" in name
+                else "graph")
         stale = None
-        if kind == "graph" or kind == "kernels":
+        if kind in ("graph", "kernels", "packed copy"):
             try:
                 fields = json.loads(meta.read_text())["fields"]
                 # the kernels kept for any weights file (artifacts.kept_directory) have no weights to check
@@ -584,7 +586,8 @@ def inventory(directory: Path, weights_directory: Optional[Path] = None) -> list
                     stale = "its weights file changed or is gone"
                 elif {k: v for k, v in fields["machine"].items() if k != "threads"} != here:
                     stale = "built with other software or on another machine"
-                elif fields["sources"] not in sources or fields["native"] != native:
+                elif fields["sources"] not in (packed_sources if kind == "packed copy" else sources) \
+                        or fields["native"] != native:
                     stale = "built from older code"
             except (OSError, ValueError, KeyError, TypeError):
                 stale = "no readable metadata"

@@ -80,7 +80,10 @@ def load_model(checkpoint_path, device="cpu", precision=torch.float32, shard=Non
         tensor.data = tensor.data.to(dtype=precision if convert else tensor.dtype).to(device)
     if scheme:
         import quantize
-        quantize.pack_for_device(model)  # int4 on the CPU: the kernel's weight layout, made after sharding
+        if on_cpu and shard is None:  # the kernels' layouts, from the checkpoint's stored packed copy where valid
+            quantize.pack_or_load(model, path, scheme)
+        else:
+            quantize.pack_for_device(model)  # made after sharding
     model.quantization = scheme
     model.checkpoint_path = path  # named by errors found while running it (NaN logits)
     return model.eval().requires_grad_(False)

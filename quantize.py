@@ -10,6 +10,7 @@ linear's input to 8 bits per block of 32 as it runs, multiplying in integers (ke
 layer choices: docs/quantization.md.
 """
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,16 +71,18 @@ class Int8Linear(nn.Module):
         # per-row scales commute with the matmul: scale the outputs, not the N x K weight
         return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
 
-    def stacked(self, other: "Int8Linear") -> "Int8Linear":
-        """One layer computing [self(x), other(x)] (not yet packed): its rows, then other's."""
-        fused = type(self)(self.in_features, self.out_features + other.out_features, device=self.weight.device)
-        fused.weight, fused.scales = torch.cat([self.weight, other.weight]), torch.cat([self.scales, other.scales])
+    def stacked(self, other: "Int8Linear", empty: bool = False) -> "Int8Linear":
+        """One layer computing [self(x), other(x)] (not yet packed): its rows, then other's (`empty`: its shape
+        only, for a stored packed copy to fill)."""
+        fused = type(self)(self.in_features, self.out_features + other.out_features, device="meta")
+        if not empty:
+            fused.weight, fused.scales = torch.cat([self.weight, other.weight]), torch.cat([self.scales, other.scales])
         return fused
 
     def pack_for_cpu(self):
         """kernels_a8.cpp's layout: rows padded with zeros to a multiple of A8_STEP inputs, float32 scales (the
-        bf16 values, exactly). Made at load time, after sharding; never stored. A copy even where no row needs
-        padding: the process's own memory (huge pages) streams faster than a memory-mapped file's pages."""
+        bf16 values, exactly). Made after sharding; kept in the checkpoint's packed copy (store_packed), whose file
+        pages later loads use in place."""
         if not self.packed_for_cpu and self.weight.device.type == "cpu" and kernels.a8_kernels():
             self.weight = F.pad(self.weight, (0, padded_inputs(self.in_features) - self.in_features)).contiguous()
             self.scales = self.scales.float()
@@ -153,18 +156,21 @@ class Int4Linear(nn.Module):
 
     def pack_for_cpu(self):
         """Rearrange the weight for aten._weight_int4pack_mm_for_cpu, whose layout depends on the CPU's vector
-        width (so it is made at load time, never stored). The kernel needs N % 16 == 0."""
+        width (so the file keeps the portable layout, and a packed copy is keyed by the ISA: packed_key). The
+        kernel needs N % 16 == 0."""
         if not self.packed_for_cpu and self.weight.device.type == "cpu" and self.out_features % 16 == 0:
             q = unpack_int4(self.weight).to(torch.int32)
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # 1: inner k-tiles, unused on CPU
             self.packed_for_cpu = True
 
-    def stacked(self, other: "Int4Linear") -> "Int4Linear":
-        """One layer computing [self(x), other(x)] (not yet packed): its rows, then other's."""
-        fused = type(self)(self.in_features, self.out_features + other.out_features, self.groupsize,
-                           device=self.weight.device)
-        fused.weight = torch.cat([self.weight, other.weight])
-        fused.scales_and_zeros = torch.cat([self.scales_and_zeros, other.scales_and_zeros], dim=1)
+    def stacked(self, other: "Int4Linear", empty: bool = False) -> "Int4Linear":
+        """One layer computing [self(x), other(x)] (not yet packed): its rows, then other's (`empty`: its shape
+        only, for a stored packed copy to fill)."""
+        fused = type(self)(self.in_features, self.out_features + other.out_features, self.groupsize, device="meta")
+        fused.groupsize_tensor = self.groupsize_tensor
+        if not empty:
+            fused.weight = torch.cat([self.weight, other.weight])
+            fused.scales_and_zeros = torch.cat([self.scales_and_zeros, other.scales_and_zeros], dim=1)
         return fused
 
     def keep_rows(self, rows: Tensor):
@@ -289,19 +295,21 @@ def apply_quantization_scheme(model: Transformer, scheme: dict):
     return model
 
 
-def fuse_gate_up(model: nn.Module):
+def fuse_gate_up(model: nn.Module, empty: bool = False):
     """Each feed-forward's quantized w1 and w3 as one product w13 (w1's rows, then w3's): they read the same
     input, and a decode step's products are small enough that each call's fixed cost shows (BENCHMARKS.md,
     "Integer kernels"). Every output row is computed as before, so the results are the same bits. Each pair's file
-    pages go as its stacked copy is made (kernels.drop_file_pages), not all at the end: a load's peak memory."""
+    pages go as its stacked copy is made (kernels.drop_file_pages), not all at the end: a load's peak memory.
+    `empty`: the stacked layers' shapes only, for a stored packed copy to fill (load_packed)."""
     mappings = kernels.file_mappings()
     for module in model.modules():
         if isinstance(module, FeedForward) and module.w13 is None and type(module.w1) is type(module.w3) \
                 and isinstance(module.w1, (Int8Linear, Int4Linear)) and not module.w1.packed_for_cpu:
             read = [*module.w1.buffers(), *module.w3.buffers()]
-            module.w13 = module.w1.stacked(module.w3)
+            module.w13 = module.w1.stacked(module.w3, empty=True) if empty else module.w1.stacked(module.w3)
             del module.w1, module.w3
-            kernels.drop_file_pages(read, mappings, model)
+            if not empty:
+                kernels.drop_file_pages(read, mappings, model)
 
 
 def pack_for_device(model: nn.Module):
@@ -315,6 +323,107 @@ def pack_for_device(model: nn.Module):
             module.pack_for_cpu()
             kernels.drop_file_pages(read, mappings, model)  # the file's pages of a weight now in a layout of its own
     kernels.release_file_pages(model)  # and the pages that weights packed on both sides of them shared
+
+
+# ----------------------------------------------------------------------------- the packed copy beside the checkpoint
+
+def packed_layers(model: nn.Module) -> dict:
+    """name -> every quantized linear of the model."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear))}
+
+
+def packed_key(model: nn.Module, checkpoint_path, scheme: dict) -> tuple:
+    """(fields, key) of a checkpoint's packed copy: everything the packed bytes depend on. The weights file's
+    identity, the config and scheme, the layers to fill (their names and kinds), this file's source (the
+    layouts), kernels_a8.cpp's (which kernels take them) and whether it built here, torch and the CPU's ISA (the
+    int4 kernel's layout is made by ATen for the vector width)."""
+    import dataclasses
+    import artifacts
+    fields = {"weights": artifacts.file_identity(checkpoint_path), "config": dataclasses.asdict(model.args),
+              "scheme": scheme, "layers": sorted(f"{n}:{type(m).__name__}" for n, m in packed_layers(model).items()),
+              "machine": {k: v for k, v in artifacts.machine().items() if k != "threads"},
+              "sources": artifacts.sources_digest(("quantize",)), "a8_built": kernels.a8_kernels(),
+              "native": artifacts.file_sha256(Path(kernels.__file__).with_name("kernels_a8.cpp"))}
+    return fields, artifacts.key_of(fields)
+
+
+def packed_name(checkpoint_path, key: str) -> str:
+    return f"{Path(checkpoint_path).stem}-packed-{key[:16]}"
+
+
+def load_packed(model: nn.Module, checkpoint_path, scheme: dict) -> bool:
+    """Fill the model's quantized linears (w1 and w3 stacked) from the checkpoint's stored packed copy, if there is
+    one for this key, signed by this user (artifacts.find), that holds exactly these layers' tensors; True if it
+    did (the model is then as pack_for_device leaves it). Else the model is left as it was."""
+    import artifacts
+    kept = {m: (m.w1, m.w3) for m in model.modules() if isinstance(m, FeedForward) and m.w13 is None}
+    fuse_gate_up(model, empty=True)  # the layers the copy fills, before the key: it names them
+    fields, key = packed_key(model, checkpoint_path, scheme)
+    directory = artifacts.directory_for(checkpoint_path)
+    name = packed_name(checkpoint_path, key)
+    path, refused = artifacts.find(directory, name, key, ".pth", content=False)
+    stored = None
+    if path is not None:
+        try:
+            # used in place, as llama.cpp maps its file: decode read these pages no slower than copies made here
+            stored = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception:
+            refused = "it does not load"
+    layers = packed_layers(model)
+    if stored is not None:
+        wanted = {f"{n}.{b}" for n, m in layers.items() for b, _ in m.named_buffers(recurse=False)
+                  if b != "groupsize_tensor"}
+        if not isinstance(stored, dict) or set(stored.get("tensors", {})) != wanted \
+                or set(stored.get("flags", {})) != set(layers):
+            refused, stored = "it holds other layers", None
+    if stored is None:
+        if refused:
+            print(f"refusing the packed copy {directory / name}.pth: {refused}; packing again", file=sys.stderr)
+        for module, (w1, w3) in kept.items():  # as it was: pack_for_device stacks and packs
+            if module.w13 is not None:
+                module.w13, module.w1, module.w3 = None, w1, w3
+        return False
+    for n, module in layers.items():
+        for b, _ in list(module.named_buffers(recurse=False)):
+            if b != "groupsize_tensor":
+                setattr(module, b, stored["tensors"][f"{n}.{b}"])
+        for flag in ("packed_for_cpu", "a8"):
+            if flag in stored["flags"][n]:
+                setattr(module, flag, bool(stored["flags"][n][flag]))
+    kernels.release_file_pages(model)  # the checkpoint's pages of the layers the copy replaced
+    return True
+
+
+def store_packed(model: nn.Module, checkpoint_path, scheme: dict):
+    """Write the packed layers of a model just packed (pack_for_device) as the checkpoint's packed copy, keyed and
+    signed (artifacts.store: written whole or not at all; older copies of this checkpoint go). A copy that cannot
+    be written (a read-only directory and cache, a full disk) is one line on stderr: the next load packs again."""
+    import artifacts
+    layers = packed_layers(model)
+    if not layers or not any(m.packed_for_cpu for m in layers.values()):
+        return
+    fields, key = packed_key(model, checkpoint_path, scheme)
+    tensors = {f"{n}.{b}": t for n, m in layers.items() for b, t in m.named_buffers(recurse=False)
+               if b != "groupsize_tensor"}
+    flags = {n: {f: getattr(m, f) for f in ("packed_for_cpu", "a8") if hasattr(m, f)} for n, m in layers.items()}
+
+    def write(tmp):
+        os.chmod(tmp, 0o644)  # another user's write access would let them change what this one's signature covers
+        torch.save({"tensors": tensors, "flags": flags}, tmp)
+    directory = artifacts.directory_for(checkpoint_path)
+    try:
+        artifacts.store(directory, packed_name(checkpoint_path, key), key, fields, write, ".pth", content=False)
+    except OSError as e:
+        print(f"cannot store the packed copy of {checkpoint_path} in {directory} ({e}); it is packed again at "
+              f"every load", file=sys.stderr)
+
+
+def pack_or_load(model: nn.Module, checkpoint_path, scheme: dict):
+    """A CPU model's quantized layers in their kernels' layouts: from the checkpoint's stored packed copy where
+    there is a valid one, else packed here (pack_for_device) and the copy stored for the next load."""
+    if not load_packed(model, checkpoint_path, scheme):
+        pack_for_device(model)
+        store_packed(model, checkpoint_path, scheme)
 
 
 def quantize_state_dict(state_dict: dict, args: ModelArgs, scheme: dict) -> dict:

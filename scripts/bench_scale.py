@@ -715,7 +715,8 @@ def main(argv=None):
         for line in skipped:
             say(f"{name}: skipped {line}")
         free = shutil.disk_usage(args.work_dir).free
-        needed = shape.bytes_needed(precisions) + 2e9  # + stored graphs and inductor's cache
+        # + stored graphs, inductor's cache and each quantized file's packed copy (about its size, in compiled/)
+        needed = shape.bytes_needed(precisions) + 2e9 + sum(shape.file_bytes(p) for p in precisions if p in SCHEMES)
         if needed > free:
             say(f"{name}: skipped: needs about {needed / 1e9:.0f} GB of disk under {args.work_dir}, "
                 f"{free / 1e9:.0f} GB free")

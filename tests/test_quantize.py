@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,7 +287,7 @@ def test_stacking_gate_and_up_changes_no_bit(mode, groupsize, target, monkeypatc
         ffn = block.feed_forward
         assert not hasattr(ffn, "w1") and not hasattr(ffn, "w3")
         assert ffn.w13.out_features == 2 * ffn.w2.in_features
-    monkeypatch.setattr(quantize, "fuse_gate_up", lambda model: None)
+    monkeypatch.setattr(quantize, "fuse_gate_up", lambda model, empty=False: None)
     separate = generation.load_model(path)
     assert separate.layers[0].feed_forward.w13 is None
     for shape in [(1, 1), (3, 7)]:
@@ -508,3 +509,123 @@ def test_packing_lets_go_of_each_weights_file_pages_as_it_packs(tmp_path, tokeni
     for k, (resident, _) in enumerate(seen):
         assert resident <= seen[0][0] - sum(n for _, n in seen[:k]) + 4 * k * page, k
     assert len(reads) <= 3
+
+
+# ----------------------------------------------------------------------------- the packed copy beside the checkpoint
+
+def packed_copies(path):
+    return sorted((path.parent / "compiled").glob(f"{path.stem}-packed-*.pth"))
+
+
+def fresh_quantized(random_target, tmp_path, mode, groupsize):
+    """A quantized file of its own (its packed copy and compiled/ are this test's)."""
+    shutil.copytree(random_target.parent, tmp_path / "checkpoint")
+    return quantized_file(tmp_path / "checkpoint" / "model.pth", mode, groupsize)
+
+
+def packed_at_load(path, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(quantize, "load_packed", lambda *args: False)
+        patch.setattr(quantize, "store_packed", lambda *args: None)
+        return generation.load_model(path)
+
+
+def load_counting_packs(path, monkeypatch):
+    """(the model, how many times it was packed here rather than read from the packed copy)."""
+    packs, pack = [], quantize.pack_for_device
+    with monkeypatch.context() as patch:
+        patch.setattr(quantize, "pack_for_device", lambda model: packs.append(1) or pack(model))
+        return generation.load_model(path), len(packs)
+
+
+def same_logits(a, b) -> bool:
+    xs = [torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(1)) for shape in [(1, 1), (3, 7)]]
+    return all(torch.equal(logits(a, x), logits(b, x)) for x in xs)
+
+
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int8-a8", None), ("int4-a8", 32),
+                                             ("int4-a8", 64)])
+def test_packed_copy_gives_the_logits_of_packing_at_load(mode, groupsize, random_target, tmp_path, monkeypatch):
+    """The first load packs and stores the packed copy in compiled/; the next reads it instead of packing, and
+    its logits are the bits of packing at load."""
+    path = fresh_quantized(random_target, tmp_path, mode, groupsize)
+    first, packs = load_counting_packs(path, monkeypatch)
+    assert packs == 1 and len(packed_copies(path)) == 1
+    stored, packs = load_counting_packs(path, monkeypatch)
+    assert packs == 0
+    reference = packed_at_load(path, monkeypatch)
+    assert same_logits(stored, reference) and same_logits(first, reference)
+
+
+def test_changed_weights_file_refuses_the_packed_copy(random_target, tmp_path, monkeypatch):
+    """Other weights under the same file name: the copy is stale (compile_model.py --list says so), the load packs
+    the new weights and replaces it."""
+    import compilation
+    path = fresh_quantized(random_target, tmp_path, "int4-a8", 32)
+    old_model, _ = load_counting_packs(path, monkeypatch)
+    old_copy = packed_copies(path)
+    [row] = [r for r in compilation.inventory(path.parent / "compiled") if r["kind"] == "packed copy"]
+    assert row["stale"] is None
+    checkpoint = torch.load(path, weights_only=True)
+    weight = checkpoint["model"]["layers.0.attention.wqkv.weight"]
+    weight.copy_(weight.flip(0))  # the same shapes, other weights
+    torch.save(checkpoint, path)
+    [row] = [r for r in compilation.inventory(path.parent / "compiled") if r["kind"] == "packed copy"]
+    assert row["stale"] == "its weights file changed or is gone"
+    model, packs = load_counting_packs(path, monkeypatch)
+    assert packs == 1 and same_logits(model, packed_at_load(path, monkeypatch))
+    assert not same_logits(model, old_model)
+    assert len(packed_copies(path)) == 1 and packed_copies(path) != old_copy
+
+
+@pytest.mark.parametrize("how", ["copied in", "changed in place", "signed by another key"])
+def test_a_packed_copy_this_user_did_not_write_is_refused(how, random_target, tmp_path, monkeypatch, capsys):
+    """A copy whose file is not the one this user's load wrote and signed (its bytes brought in by hand, changed
+    since, or its metadata's signature made with another key) is refused and packed again, then stored anew."""
+    path = fresh_quantized(random_target, tmp_path, "int4-a8", 32)
+    load_counting_packs(path, monkeypatch)
+    [copy] = packed_copies(path)
+    if how == "copied in":  # the same bytes and metadata: another file
+        data = copy.read_bytes()
+        copy.unlink()
+        copy.write_bytes(data)
+    elif how == "changed in place":  # some weights overwritten, same size and name
+        with open(copy, "r+b") as f:
+            f.seek(copy.stat().st_size // 2)
+            f.write(bytes(4096))
+    else:
+        meta_path = copy.with_suffix(".meta.json")
+        meta = json.loads(meta_path.read_text())
+        meta["signature"] = "0" * 64
+        meta_path.write_text(json.dumps(meta))
+    capsys.readouterr()
+    model, packs = load_counting_packs(path, monkeypatch)
+    assert packs == 1 and "refusing the packed copy" in capsys.readouterr().err
+    assert same_logits(model, packed_at_load(path, monkeypatch))
+    assert load_counting_packs(path, monkeypatch)[1] == 0  # the copy written again is this user's
+
+
+def test_a_half_written_packed_copy_never_loads(random_target, tmp_path, monkeypatch, capsys):
+    """A write cut short (a full disk) leaves no copy under its name, only one line on stderr; a published copy cut
+    short later (a disk fault) is refused. Either way the model loads, packed at load."""
+    path = fresh_quantized(random_target, tmp_path, "int8-a8", None)
+    reference = packed_at_load(path, monkeypatch)
+    save = torch.save
+
+    def cut_short(obj, f, *args, **kwargs):
+        if str(f).endswith(".pth") or "packed" not in str(f):
+            return save(obj, f, *args, **kwargs)
+        Path(f).write_bytes(b"PK\x03\x04 half")
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", cut_short)
+        model, packs = load_counting_packs(path, monkeypatch)
+    assert packs == 1 and "cannot store the packed copy" in capsys.readouterr().err
+    assert packed_copies(path) == [] and not [p for p in (path.parent / "compiled").iterdir() if ".partial" in p.name]
+    assert same_logits(model, reference)
+    load_counting_packs(path, monkeypatch)
+    [copy] = packed_copies(path)
+    os.truncate(copy, copy.stat().st_size // 2)
+    model, packs = load_counting_packs(path, monkeypatch)
+    assert packs == 1 and "refusing the packed copy" in capsys.readouterr().err
+    assert same_logits(model, reference)
