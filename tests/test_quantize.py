@@ -472,8 +472,8 @@ def test_quantizing_lets_go_of_each_weights_file_pages(random_target):
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
 def test_packing_lets_go_of_each_weights_file_pages_as_it_packs(tmp_path, tokenizer_model, monkeypatch):
     """pack_for_device drops the file pages of each weight of the memory-mapped checkpoint right after stacking or
-    packing it (its pages and all the new copies are never in memory at once), and reads this process's mappings a few times,
-    not once per weight (hundreds of reads for an 8B model)."""
+    packing it (its pages and all the new copies are never in memory at once), and reads this process's mappings a few
+    times, not once per weight (hundreds of reads for an 8B model)."""
     import itertools
     import kernels
     from test_kernels import file_mappings

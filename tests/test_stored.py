@@ -509,9 +509,9 @@ print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_ca
 @pytest.mark.slow  # two processes compiling or loading a whole graph
 def test_a_shape_compiled_in_the_process_instead_keeps_its_kernels(checkpoint, tmp_path, monkeypatch):
     """Where a stored graph cannot be built (or loaded) here, that shape is compiled in the process, and its kernels
-    are stored like an in-process engine's (compilation.CompileCache): later processes, each with an empty inductor cache
-    and the failure marker, give the same tokens and load the kernels instead of compiling them (the second process
-    traced one of the two graphs differently from the first and compiled it; from the third on, nothing)."""
+    are stored like an in-process engine's (compilation.CompileCache): later processes, each with an empty inductor
+    cache and the failure marker, give the same tokens and load the kernels instead of compiling them (the second
+    process traced one of the two graphs differently from the first and compiled it; from the third on, nothing)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no kernels kept for this shape: it builds
 
     def run(name):
@@ -744,9 +744,10 @@ class FakeCudaGraphs:
 
 
 def test_stored_cuda_graphs_replay_few_token_calls_only_where_the_replay_equals_the_direct_run(monkeypatch, capsys):
-    """compilation.Replayed's bookkeeping (the CUDA graph API faked on the CPU): the first call of a shape runs directly,
-    the second captures and checks a replay against the direct run, later calls copy their inputs in and replay;
-    long calls always run directly; new cache tensors drop the captures; a replay that differs is never used."""
+    """compilation.Replayed's bookkeeping (the CUDA graph API faked on the CPU): the first call of a shape runs
+    directly, the second captures and checks a replay against the direct run, later calls copy their inputs in and
+    replay; long calls always run directly; new cache tensors drop the captures; a replay that differs is never
+    used."""
     fakes = FakeCudaGraphs(monkeypatch)
     calls = []
 
@@ -813,8 +814,8 @@ def test_a_full_disk_while_storing_a_graph_is_one_line_and_leaves_no_marker(smal
 
 
 def test_a_full_disk_while_keeping_compiled_kernels_is_one_line(small_disk, tokenizer_model, monkeypatch, capsys):
-    """An in-process compile's kernels (compilation.CompileCache, NAME.bin) stored on a full disk: torch's cache artifacts
-    patched to a blob of 1 MiB, written by the real writer."""
+    """An in-process compile's kernels (compilation.CompileCache, NAME.bin) stored on a full disk: torch's cache
+    artifacts patched to a blob of 1 MiB, written by the real writer."""
     checkpoint = write_checkpoint(small_disk.directory / "micro", tokenizer_model, seed=3, dim=32, n_layer=1,
                                   n_head=2, vocab_size=512, block_size=64)
     cache = compilation.CompileCache(generation.load_model(checkpoint), "cpu", "whole")
