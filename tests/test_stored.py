@@ -497,8 +497,6 @@ def fails(*args):
     raise RuntimeError("cannot export this model")
 compilation.StoredForward.export = fails
 compilation.graph_options = lambda model, device, mode: {{"options": {{"freezing": False}}}}  # frozen: not cacheable
-kernels.a8_kernels()  # the code the model runs, loaded before counting
-before = rss()
 engine = decode.compile_engine(generation.load_model({path!r}), "cpu", "auto")
 rows, _ = generation.generate(engine, torch.tensor([1, 5, 9, 2, 7]), 6, decode.Sampling(), [], stop_at_eos=False)
 print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_cache_miss"],
