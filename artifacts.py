@@ -129,13 +129,15 @@ def signature(library, key: str, content: bool = True) -> str:
         stat = os.stat(library)
         if stat.st_uid != os.getuid() or stat.st_mode & 0o022:
             return "-"
-        return hmac.new(signing_key(), f"{key}:{file_stamp(library)}".encode(), hashlib.sha256).hexdigest()
+        return sign(key, file_stamp(library), "-")
     table = Path(library).with_suffix(".json")
     return sign(key, file_sha256(library), file_sha256(table) if table.exists() else "-")
 
 
-def sign(key: str, library_sha256: str, table_sha256: str) -> str:
-    return hmac.new(signing_key(), f"{key}:{library_sha256}:{table_sha256}".encode(), hashlib.sha256).hexdigest()
+def sign(key: str, library: str, table: str) -> str:
+    """The HMAC under this user's key of what identifies an artifact: its key, its library's (or data file's)
+    digest or stamp, its operator table's digest ("-": none)."""
+    return hmac.new(signing_key(), f"{key}:{library}:{table}".encode(), hashlib.sha256).hexdigest()
 
 
 def directory_for(checkpoint_path) -> Path:

@@ -306,7 +306,7 @@ def fuse_gate_up(model: nn.Module, empty: bool = False):
         if isinstance(module, FeedForward) and module.w13 is None and type(module.w1) is type(module.w3) \
                 and isinstance(module.w1, (Int8Linear, Int4Linear)) and not module.w1.packed_for_cpu:
             read = [*module.w1.buffers(), *module.w3.buffers()]
-            module.w13 = module.w1.stacked(module.w3, empty=True) if empty else module.w1.stacked(module.w3)
+            module.w13 = module.w1.stacked(module.w3, empty)
             del module.w1, module.w3
             if not empty:
                 kernels.drop_file_pages(read, mappings, model)

@@ -259,7 +259,9 @@ def logprob_values(scores: torch.Tensor, tokens: list, top: int, rows: int = 256
         part = part.clamp_min(LOGPROB_FLOOR)
         chosen = part.gather(-1, torch.tensor(tokens[at:at + rows], device=part.device).view(-1, 1)).view(-1)
         values, ids = part.topk(top, -1) if top else (part[:, :0], part[:, :0].long())
-        out += [(c, list(zip(i, v))) for c, i, v in zip(chosen.tolist(), ids.tolist(), values.tolist())]
+        # one transfer for the three (ids are exact in float64)
+        for row in torch.cat([chosen.unsqueeze(1), values, ids], 1).double().tolist():
+            out.append((row[0], [(int(i), v) for i, v in zip(row[1 + top:], row[1:1 + top])]))
     return out
 
 

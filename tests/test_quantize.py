@@ -494,9 +494,9 @@ def test_packing_lets_go_of_each_weights_file_pages_as_it_packs(tmp_path, tokeni
         pack(module)
     stacks, stack = [], quantize.Int8Linear.stacked
 
-    def stacking(module, other):  # likewise before each w1 and w3 are stacked
+    def stacking(module, other, empty=False):  # likewise before each w1 and w3 are stacked
         stacks.append((file_mappings(path)[mapping], module.weight.nbytes + other.weight.nbytes))
-        return stack(module, other)
+        return stack(module, other, empty)
     monkeypatch.setattr(quantize.Int8Linear, "pack_for_cpu", packing)
     monkeypatch.setattr(quantize.Int8Linear, "stacked", stacking)
     monkeypatch.setattr(kernels, "file_mappings", lambda: reads.append(1) or read_maps())
