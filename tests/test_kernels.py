@@ -82,13 +82,77 @@ def resident_and_read(model, path) -> tuple:
     return 0, 0
 
 
+def mapping_fields(address: int) -> dict:
+    """The /proc/self/smaps fields of the mapping that holds `address` ({} where none does), with its "path"."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+                if found is not None:
+                    return found
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found = {"path": fields[5] if len(fields) == 6 else ""} if start <= address < end else None
+            elif found is not None and fields[0].endswith(":"):
+                found[fields[0][:-1]] = fields[1]
+    return found or {}
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not kernels.huge_pages_allowed(),
+                    reason="Linux with transparent huge pages")
+@pytest.mark.parametrize("layout", ["use_stored_layout", "use_fast_weight_layout"])
+@pytest.mark.parametrize("checkpoint", ["file", "tied-llama3"])
+def test_weights_move_onto_huge_pages_unchanged(layout, checkpoint, random_target, monkeypatch):
+    """After either layout every weight (parameters and buffers, not the KV caches) lies in one anonymous mapping
+    advised for 2 MB pages (smaps' THPeligible), with the bytes, shapes and strides it had on 4 KB pages: the
+    logits are equal exactly; a tied output still is the table; a checkpoint's file pages are all gone; a second
+    call moves nothing."""
+    import generation
+
+    def build():
+        model = generation.load_model(random_target) if checkpoint == "file" else tiny_model(**SHAPES[checkpoint])
+        model.setup_caches(2, MAX_SEQ)
+        model.register_buffer("a_view", model.norm.weight.detach()[3:13].view(2, 5), persistent=False)  # offset 3
+        getattr(kernels, layout)(model)
+        return model
+
+    monkeypatch.setenv("FASTGEN_HUGE_PAGES", "1")
+    model = build()
+    if checkpoint == "file":
+        assert sum(file_mappings(random_target).values()) == 0
+    monkeypatch.setenv("FASTGEN_HUGE_PAGES", "0")
+    before = build()
+    caches = {id(t) for m in model.modules() if hasattr(m, "k_cache") for t in m.buffers(recurse=False)}
+    weights = [t for t in itertools.chain(model.parameters(), model.buffers()) if id(t) not in caches]
+    arenas = {mapping_fields(t.data_ptr()).get("path", "?") for t in weights}
+    assert arenas == {""}, arenas  # anonymous
+    fields = mapping_fields(weights[0].data_ptr())
+    assert fields["THPeligible"] == "1", fields
+    assert all(mapping_fields(t.data_ptr()) == fields for t in weights)  # the same mapping
+    for (name, a), (_, b) in zip(model.named_buffers(), before.named_buffers()):
+        assert a.shape == b.shape and a.stride() == b.stride() and (id(a) in caches or torch.equal(a, b)), name
+    for (name, a), (_, b) in zip(model.named_parameters(), before.named_parameters()):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b), name
+    if model.args.tie_word_embeddings and model.output.weight is not None:
+        assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    assert model.a_view.data_ptr() == model.norm.weight.data_ptr() + 3 * 4  # still a view of the norm's weight
+    ids = tokens(20, batch=2)
+    with torch.no_grad():
+        assert torch.equal(model(ids, torch.arange(20).expand(2, -1)), before(ids, torch.arange(20).expand(2, -1)))
+    where = [t.data_ptr() for t in weights]
+    kernels.onto_huge_pages(model)
+    assert [t.data_ptr() for t in weights] == where
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
 def test_a_memory_mapped_checkpoints_pages_go_once_its_weights_are_laid_out_anew(random_target, monkeypatch):
     """After use_stored_layout the file pages of a checkpoint loaded with mmap stay resident only where a tensor of
     the model still reads them (the embeddings, norms): weights packed or copied into a layout of their own leave
-    none behind (without kernels.drop_file_pages and release_file_pages they would), and /proc/self/maps is read a
-    fixed number of times, not once per weight; and the model computes what it did before."""
+    none behind (without kernels.drop_pages they would), and /proc/self/maps is read a
+    fixed number of times, not once per weight; and the model computes what it did before. On 4 KB pages: on huge
+    pages every weight leaves the file (test_weights_move_onto_huge_pages_unchanged)."""
     import generation
+    monkeypatch.setenv("FASTGEN_HUGE_PAGES", "0")
     ids, pos = tokens(12), torch.arange(12).view(1, -1)
     size = random_target.stat().st_size
     for release in (False, True):
@@ -102,9 +166,8 @@ def test_a_memory_mapped_checkpoints_pages_go_once_its_weights_are_laid_out_anew
             reads, read_maps = [], kernels.file_mappings
             with monkeypatch.context() as patch:
                 patch.setattr(kernels, "file_mappings", lambda: reads.append(1) or read_maps())
-                if not release:  # neither each weight's pages as its blocks are made nor those left at the end
-                    patch.setattr(kernels, "release_file_pages", lambda model: None)
-                    patch.setattr(kernels, "drop_file_pages", lambda *args: None)
+                if not release:  # no page dropped: neither each weight's as it is laid out nor those left at the end
+                    patch.setattr(kernels, "drop_pages", lambda ranges: None)
                 kernels.use_stored_layout(model)
             resident, read = resident_and_read(model, random_target)
             if kernels.native_f32_linear(torch.zeros(2, 2)) or release:
