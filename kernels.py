@@ -247,15 +247,21 @@ HUGE_PAGE = 1 << 21
 _ARENAS = []  # [(start, end)] of the weight arenas made here, while their memory lives
 
 
-def huge_pages_allowed() -> bool:
-    """Whether weights are moved onto transparent huge pages (onto_huge_pages): Linux with THP not switched off;
-    FASTGEN_HUGE_PAGES=0 keeps 4 KB pages (comparisons)."""
-    if os.environ.get("FASTGEN_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+def huge_pages_available() -> bool:
+    """Linux with transparent huge pages not switched off."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return False
+
+
+def huge_pages_allowed() -> bool:
+    """Whether weights are moved onto transparent huge pages (onto_huge_pages): FASTGEN_HUGE_PAGES=1 (the server
+    sets it unless given) where they are available. Off by default elsewhere: on a VM the first touch of fresh
+    2 MB pages can cost a few ms per MB, seconds at launch that a short run does not win back (docs/compilation.md)."""
+    return os.environ.get("FASTGEN_HUGE_PAGES", "0") == "1" and huge_pages_available()
 
 
 def onto_huge_pages(model: torch.nn.Module, mappings: Optional[list] = None):
@@ -283,7 +289,9 @@ def onto_huge_pages(model: torch.nn.Module, mappings: Optional[list] = None):
     offsets, size = {}, 0
     for address, (nbytes, _) in storages.items():
         offsets[address], size = size, size + -(-nbytes // 64) * 64  # 64-byte aligned, as torch's allocator
-    arena_map = mmap.mmap(-1, -(-size // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # a page more than the weights take: they start at its first 2 MB boundary (kernels before 6.7 do not align
+    # large anonymous mappings to one), so that every page they cover can be a huge page
+    arena_map = mmap.mmap(-1, (-(-size // HUGE_PAGE) + 1) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arena_map.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so that it faults in whole 2 MB pages
     try:  # and fault them all in now: one call, where faulting them one by one in the copies takes 20x longer
         arena_map.madvise(MADV_POPULATE_WRITE)
@@ -292,6 +300,7 @@ def onto_huge_pages(model: torch.nn.Module, mappings: Optional[list] = None):
     whole = memoryview(arena_map)
     start = torch.frombuffer(whole, dtype=torch.uint8).data_ptr()
     _ARENAS.append((start, start + len(arena_map)))
+    skip = -start % HUGE_PAGE
     weakref.finalize(arena_map, _ARENAS.remove, _ARENAS[-1])  # when the last storage on it goes
     mappings = file_mappings() if mappings is None else mappings
     staying = [storage_range(t) for t in caches if t.device.type == "cpu"]
@@ -299,7 +308,7 @@ def onto_huge_pages(model: torch.nn.Module, mappings: Optional[list] = None):
     for address, (nbytes, on_it) in storages.items():
         # a storage of its own on the arena (each holds the mapping): compilers take tensors on one storage as
         # aliases of each other
-        copy = torch.frombuffer(whole[offsets[address]:offsets[address] + nbytes], dtype=torch.uint8)
+        copy = torch.frombuffer(whole[skip + offsets[address]:skip + offsets[address] + nbytes], dtype=torch.uint8)
         copy.copy_(torch.empty(0, dtype=torch.uint8).set_(on_it[0].untyped_storage()))
         for t in on_it:
             new = torch.empty(0, dtype=t.dtype).set_(copy.untyped_storage(), t.storage_offset(), t.shape, t.stride())

@@ -365,7 +365,8 @@ def load_packed(model: nn.Module, checkpoint_path, scheme: dict) -> bool:
     stored = None
     if path is not None:
         try:
-            # used in place, as llama.cpp maps its file: decode read these pages no slower than copies made here
+            # used in place, as llama.cpp maps its file (the server copies them onto 2 MB pages:
+            # kernels.onto_huge_pages)
             stored = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         except Exception:
             refused = "it does not load"

@@ -197,6 +197,10 @@ def configurations(args, model_pth: Path, eos: tuple, threads: int) -> tuple:
         "ours int4 g32 autotune": lambda: ours_(load(int4_pth), autotune=True),
         "ours fp32 autotune, int4 draft chain K=5": lambda: ours_(load(model_pth), load(int4_pth), 5, autotune=True),
         "ours fp32 autotune, 3-gram K=5": lambda: ours_(load(model_pth), None, 5, None, 3, autotune=True),
+        # the weights on 2 MB pages (kernels.onto_huge_pages, as the server does; same graphs, same bytes)
+        "ours fp32 2M pages": on_huge_pages(lambda: ours_(load(model_pth))),
+        "ours int8-a8 2M pages": on_huge_pages(lambda: ours_(load(a8["int8-a8"]()))),
+        "ours int4-a8 g32 2M pages": on_huge_pages(lambda: ours_(load(a8["int4-a8"]()))),
         "transformers fp32": lambda: transformers_run(args.checkpoint_dir, eos),
         "transformers fp32, prompt lookup": lambda: transformers_run(args.checkpoint_dir, eos, prompt_lookup_num_tokens=5),
     }
@@ -209,6 +213,18 @@ def configurations(args, model_pth: Path, eos: tuple, threads: int) -> tuple:
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp column", flush=True)
     return configs, launches
+
+
+def on_huge_pages(build):
+    """`build` with FASTGEN_HUGE_PAGES=1 while it runs: its weights go onto 2 MB pages."""
+    def built():
+        before = os.environ.get("FASTGEN_HUGE_PAGES")
+        os.environ["FASTGEN_HUGE_PAGES"] = "1"
+        try:
+            return build()
+        finally:
+            os.environ.pop("FASTGEN_HUGE_PAGES") if before is None else os.environ.update(FASTGEN_HUGE_PAGES=before)
+    return built
 
 
 def build_and_warm_up(configs: dict, prompts: list, new_tokens: int) -> tuple:

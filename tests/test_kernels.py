@@ -98,7 +98,7 @@ def mapping_fields(address: int) -> dict:
     return found or {}
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not kernels.huge_pages_allowed(),
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not kernels.huge_pages_available(),
                     reason="Linux with transparent huge pages")
 @pytest.mark.parametrize("layout", ["use_stored_layout", "use_fast_weight_layout"])
 @pytest.mark.parametrize("checkpoint", ["file", "tied-llama3"])

@@ -5,6 +5,8 @@ import collections
 import dataclasses
 import http.client
 import json
+import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import generation
+import kernels
 import serve
 import speculate
 from decode import Sampling, logits_to_probs
@@ -993,6 +996,9 @@ def test_compiled_graphs_are_never_rebuilt_after_warm_up(random_target, library)
     try:
         graphs = running.metric("fastgen_compiled_graphs")
         assert graphs > 0
+        if kernels.huge_pages_available() and "FASTGEN_HUGE_PAGES" not in os.environ:  # the server's default
+            with open(f"/proc/{process.pid}/smaps") as f:
+                assert re.search(r"^THPeligible:\s+1$", f.read(), re.M)
 
         def ask(prompt, **extra):
             body = dict({"prompt": prompt, "max_tokens": 25, "temperature": 0}, **extra)
