@@ -450,6 +450,7 @@ class StoredForward(StoredGraph):
         super().__init__(model, device, mode, model.checkpoint_path, model.args.n_layer)
         self.model, self.features = model, tuple(features)
         self.tuple_out = bool(self.features)
+        self.held_caches = []
 
     def __call__(self, idx: Tensor, input_pos: Tensor, slots: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                  block=None) -> Tensor:
@@ -467,8 +468,15 @@ class StoredForward(StoredGraph):
         return ExportedForward(self.model, self.features)
 
     def caches(self) -> list:
-        return [t for layer in self.model.layers for t in (layer.attention.kv_cache.k_cache,
-                                                            layer.attention.kv_cache.v_cache)]
+        """Every layer's keys and values, in order: the list kept while the first layer's keys and the last's
+        values are the same tensors (setup_caches and .to() replace them all; walking 30 layers' modules every
+        step costs a small model's decode a few percent)."""
+        layers, held = self.model.layers, self.held_caches
+        if not held or held[0] is not layers[0].attention.kv_cache.k_cache \
+                or held[-1] is not layers[-1].attention.kv_cache.v_cache:
+            self.held_caches = held = [t for layer in layers for t in (layer.attention.kv_cache.k_cache,
+                                                                      layer.attention.kv_cache.v_cache)]
+        return held
 
     def example(self, batch: int, cache_batch: int, tokens: int) -> tuple:
         return (*example_inputs(batch, self.EXAMPLE_LENGTH, self.device, tokens), *self.example_caches(cache_batch))

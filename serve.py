@@ -867,7 +867,8 @@ class Scheduler:
         self.metrics.rows_stepped += len(live)
         for r in live:  # a request that may draft: its plain steps count in its tokens per target forward
             self.count_speculative(r, 1, 1)
-        self.pick(live, logits[[r.slot for r in live], 0])
+        slots = [r.slot for r in live]
+        self.pick(live, logits[:, 0] if slots == list(range(size)) else logits[slots, 0])  # rows 0.. n-1: a view
 
     def pick(self, requests: list, logits: torch.Tensor):
         """Each request's next token from its row of logits [n, V] (take() on its root alone): argmax, or drawn
