@@ -293,7 +293,7 @@ def onto_huge_pages(model: torch.nn.Module, mappings: Optional[list] = None):
     # large anonymous mappings to one), so that every page they cover can be a huge page
     arena_map = mmap.mmap(-1, (-(-size // HUGE_PAGE) + 1) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arena_map.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so that it faults in whole 2 MB pages
-    try:  # and fault them all in now: one call, where faulting them one by one in the copies takes 20x longer
+    try:  # and fault them all in now, in one call: faulting them one by one in the copies is far slower
         arena_map.madvise(MADV_POPULATE_WRITE)
     except OSError:  # Linux before 5.14: the copies fault them in
         pass

@@ -223,7 +223,10 @@ def on_huge_pages(build):
         try:
             return build()
         finally:
-            os.environ.pop("FASTGEN_HUGE_PAGES") if before is None else os.environ.update(FASTGEN_HUGE_PAGES=before)
+            if before is None:
+                del os.environ["FASTGEN_HUGE_PAGES"]
+            else:
+                os.environ["FASTGEN_HUGE_PAGES"] = before
     return built
 
 
