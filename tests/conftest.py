@@ -95,10 +95,10 @@ def trained_pair(tmp_path_factory) -> Path:
 
 # the longest modules first: with one module per worker (pytest-xdist --dist loadfile) the suite ends sooner when no
 # long module starts last
-LONGEST_FIRST = ["test_stored", "test_serve", "test_crossdraft", "test_drafthead", "test_tree", "test_bench_scale",
-                 "test_speculative", "test_bad_input", "test_generate", "test_tp", "test_batched", "test_quantize",
-                 "test_bench_gpu", "test_bench_serve", "test_eval", "test_bad_runtime", "test_decode", "test_grammar",
-                 "test_serve_tp", "test_kernels", "test_train_tiny", "test_bad_files"]
+LONGEST_FIRST = ["test_stored", "test_serve", "test_bench_scale", "test_bench_gpu", "test_crossdraft", "test_tree",
+                 "test_drafthead", "test_speculative", "test_bad_input", "test_generate", "test_logprobs",
+                 "test_grammar", "test_tp", "test_serve_tp", "test_bench_serve", "test_kernels", "test_batched",
+                 "test_quantize", "test_eval", "test_decode", "test_train_tiny", "test_bad_runtime", "test_bad_files"]
 
 
 def pytest_collection_modifyitems(config, items):
