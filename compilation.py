@@ -469,8 +469,8 @@ class StoredForward(StoredGraph):
 
     def caches(self) -> list:
         """Every layer's keys and values, in order: the list kept while the first layer's keys and the last's
-        values are the same tensors (setup_caches and .to() replace them all; walking 30 layers' modules every
-        step costs a small model's decode a few percent)."""
+        values are the same tensors (setup_caches and .to() replace them all; walking every layer's modules each
+        step shows in a small model's decode)."""
         layers, held = self.model.layers, self.held_caches
         if not held or held[0] is not layers[0].attention.kv_cache.k_cache \
                 or held[-1] is not layers[-1].attention.kv_cache.v_cache:

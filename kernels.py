@@ -260,14 +260,14 @@ def huge_pages_available() -> bool:
 def huge_pages_allowed() -> bool:
     """Whether weights are moved onto transparent huge pages (onto_huge_pages): FASTGEN_HUGE_PAGES=1 (the server
     sets it unless given) where they are available. Off by default elsewhere: on a VM the first touch of fresh
-    2 MB pages can cost a few ms per MB, seconds at launch that a short run does not win back (docs/compilation.md)."""
+    2 MB pages can lengthen the launch by more than a short run wins back (docs/compilation.md)."""
     return os.environ.get("FASTGEN_HUGE_PAGES", "0") == "1" and huge_pages_available()
 
 
 def onto_huge_pages(model: torch.nn.Module, mappings: Optional[list] = None):
     """Move the model's CPU weights (every parameter and buffer but the KV caches) into one anonymous mapping backed
     by 2 MB pages. Decode streams every weight once a token: with 4 KB pages that is a TLB miss every 4 KB, and in a
-    virtual machine each miss walks two page tables (the guest's and the host's); 2 MB pages take 512x fewer. The
+    virtual machine each miss walks two page tables (the guest's and the host's); 2 MB pages take far fewer. The
     values, shapes, strides and sharing of tensors are unchanged: storage by storage, a tensor's whole storage is
     copied once and every tensor on it (a tied table, views) reads the copy; file pages read are dropped as it goes
     (one copy of the weights in memory). Called where the layouts are final (use_stored_layout,
@@ -275,10 +275,10 @@ def onto_huge_pages(model: torch.nn.Module, mappings: Optional[list] = None):
     drop_file_pages'."""
     if not huge_pages_allowed():
         return
-    caches = [t for m in model.modules() if hasattr(m, "k_cache") for t in m.buffers(recurse=False)]
+    caches = {id(t) for m in model.modules() if hasattr(m, "k_cache") for t in m.buffers(recurse=False)}
     tensors = [t for t in itertools.chain(model.parameters(), model.buffers())
                if t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
-               and not any(t is c for c in caches) and t.untyped_storage().nbytes()]
+               and id(t) not in caches and t.untyped_storage().nbytes()]
     storages = {}  # storage address -> (nbytes, [tensors on it])
     for t in tensors:
         a, b = storage_range(t)
@@ -303,22 +303,20 @@ def onto_huge_pages(model: torch.nn.Module, mappings: Optional[list] = None):
     skip = -start % HUGE_PAGE
     weakref.finalize(arena_map, _ARENAS.remove, _ARENAS[-1])  # when the last storage on it goes
     mappings = file_mappings() if mappings is None else mappings
-    staying = [storage_range(t) for t in caches if t.device.type == "cpu"]
     moved = {}  # id(buffer) -> its tensor on the arena
     for address, (nbytes, on_it) in storages.items():
         # a storage of its own on the arena (each holds the mapping): compilers take tensors on one storage as
         # aliases of each other
         copy = torch.frombuffer(whole[skip + offsets[address]:skip + offsets[address] + nbytes], dtype=torch.uint8)
-        copy.copy_(torch.empty(0, dtype=torch.uint8).set_(on_it[0].untyped_storage()))
+        old = torch.empty(0, dtype=torch.uint8).set_(on_it[0].untyped_storage())
+        copy.copy_(old)
         for t in on_it:
             new = torch.empty(0, dtype=t.dtype).set_(copy.untyped_storage(), t.storage_offset(), t.shape, t.stride())
             if isinstance(t, torch.nn.Parameter):
                 t.data = new  # the same Parameter (tied layers share it)
             else:  # a buffer is replaced: one made as a view would keep its base, and the old memory, alive
                 moved[id(t)] = new
-        if any(a <= address and address + nbytes <= b for a, b in mappings) \
-                and not any(a < address + nbytes and b > address for a, b in staying):
-            drop_pages([(address, address + nbytes)])  # read once from the checkpoint's mapping: done with
+        drop_file_pages([old], mappings)  # no tensor of the model reads a moved storage any more
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if id(buffer) in moved:

@@ -260,8 +260,8 @@ def logprob_values(scores: torch.Tensor, tokens: list, top: int, rows: int = 256
         part = part.clamp_min(LOGPROB_FLOOR)
         chosen = part.gather(-1, torch.tensor(tokens[at:at + rows], device=part.device).view(-1, 1)).view(-1)
         values, ids = part.topk(top, -1) if top else (part[:, :0], part[:, :0].long())
-        # one transfer for the three (ids are exact in float64)
-        for row in torch.cat([chosen.unsqueeze(1), values, ids], 1).double().tolist():
+        # one transfer for the three, each made float64 first (the ids exact, whatever the scores' dtype)
+        for row in torch.cat([chosen.unsqueeze(1).double(), values.double(), ids.double()], 1).tolist():
             out.append((row[0], [(int(i), v) for i, v in zip(row[1 + top:], row[1:1 + top])]))
     return out
 
