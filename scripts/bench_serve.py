@@ -46,6 +46,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import shlex
 import socket
 import statistics
@@ -87,9 +88,21 @@ TOKENS_PER_WORD = 1.3  # English text, about: the usage of a request tells the r
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and outside the kernel's ephemeral range: a port the kernel handed out (bind to 0)
+    could be handed again, to a connection or to gloo's sockets, before the server that is given it binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.Random().sample(range(20000, low), min(64, low - 20000)) if low > 21000 else []
+    for port in candidates + [0]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise OSError("no free loopback port")
 
 
 def wait_ready(port: int, processes: list, timeout: float, log=None, name: str = "serve.py"):

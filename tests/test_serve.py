@@ -23,6 +23,7 @@ import generation
 import kernels
 import serve
 import speculate
+from bench_serve import free_port
 from decode import Sampling, logits_to_probs
 from helpers import REJECT_BELOW, ROOT, chi_square_pvalue, copy_checkpoint, write_checkpoint
 from test_crossdraft import noisy_draft  # noqa: F401 (a fixture)
@@ -967,9 +968,7 @@ def test_a_lone_request_speculates_with_a_draft_of_another_tokenizer(random_targ
 def launch(checkpoint, *flags):
     """python serve.py as a user runs it (the model in the main thread), on a free loopback port, once ready:
     (process, a stand-in for Running with .port and .get)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([sys.executable, "serve.py", "--checkpoint_path", str(checkpoint), "--port",
                                 str(port), *map(str, flags)], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
