@@ -271,7 +271,10 @@ def features(model, layers: tuple, data: dict, path: Path, top_k: int):
     seqs = [p + a for p, a in zip(data["prompt_ids"], data["answers"])]
     out = {"tokens": [None] * len(seqs), "prompt_len": [len(p) for p in data["prompt_ids"]],
            "features": [None] * len(seqs), "top_ids": [None] * len(seqs), "top_probs": [None] * len(seqs)}
-    half = copy.deepcopy(model).to(torch.bfloat16)
+    # without oneDNN's packed float32 copies (kernels.use_fast_weight_layout, where they time faster): they cannot be
+    # deep-copied, and a bfloat16 copy multiplies its own weights
+    packed = {id(m.packed): None for m in model.modules() if getattr(m, "packed", None) is not None}
+    half = copy.deepcopy(model, packed).to(torch.bfloat16)
     group = 8  # conversations per forward, right-padded (padding comes after every position that is kept)
     half.setup_caches(group, max(map(len, seqs)) + 1)
     by_length = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # little padding within a group

@@ -412,3 +412,22 @@ def test_training_makes_a_better_drafter(trained_pair, tmp_path):
     rows, bad = untrained.generate(prompts, 40, Sampling(0))
     assert rows == expected
     assert good["tokens_per_target_forward"] > bad["tokens_per_target_forward"] + 0.3, (good, bad)
+
+
+def test_target_features_with_onednn_packed_weights_equal_those_without(random_target, tmp_path):
+    """Where oneDNN's packed products time faster (kernels.onednn_is_faster, decided by timing on the machine),
+    load_target packs the target's linears; its features were then taken from a deep copy, which cannot copy a packed
+    tensor (a crash on such machines, or on a busy moment of any)."""
+    import train_draft_head
+    target = generation.load_model(random_target)
+    data = {"prompt_ids": [[1, 5, 9], [1, 7]], "answers": [[11, 12, 13, 14], [20, 21]]}
+    layers = HeadArgs.for_target(target, 1).target_layers
+    plain = train_draft_head.features(target, layers, data, tmp_path / "plain.pt", 4)
+    linears = [m for m in target.modules() if hasattr(m, "pack") and m.weight is not None]
+    for m in linears:
+        m.pack()
+    packed = train_draft_head.features(target, layers, data, tmp_path / "packed.pt", 4)
+    assert all(m.packed is not None for m in linears)  # the target keeps its packed copies
+    for key in ("tokens", "features", "top_ids", "top_probs"):
+        for a, b in zip(plain[key], packed[key]):
+            assert torch.equal(a, b), key
