@@ -1255,8 +1255,9 @@ def read_settings(body: dict, chat: bool) -> dict:
                        "stop", "invalid_value")
     for s in stop or []:
         check_text(s, "stop")
-    max_tokens = field_of(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                          (int,), None, lambda v: v >= (0 if echo else 1),
+    # chat's newer name wins where it has a value (a client may send the one it does not use as null)
+    bound = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = field_of(body, bound, (int,), None, lambda v: v >= (0 if echo else 1),
                           "an integer >= 1 (0 only with `echo`: the prompt scored, nothing generated)")
     options = field_of(body, "stream_options", (dict,), {}, None, "an object")
     if options and body.get("stream") is not True:

@@ -154,6 +154,16 @@ def test_chat_completion_equals_library(server, library):
     assert reply.id.startswith("chatcmpl-") and reply.model == server.name and reply.created > 0
 
 
+def test_max_completion_tokens_or_max_tokens_bounds_a_chat_answer(server):
+    """Chat takes either field; one sent as null (clients that serialize every field) leaves the other in force."""
+    messages = [{"role": "user", "content": "Count on and on."}]
+    for bound in ({"max_completion_tokens": 3}, {"max_tokens": 3}, {"max_completion_tokens": None, "max_tokens": 3},
+                  {"max_completion_tokens": 3, "max_tokens": None}):
+        status, reply = server.post("/v1/chat/completions", {"messages": messages, "temperature": 0, **bound})
+        assert status == 200 and reply["usage"]["completion_tokens"] <= 3, bound
+        assert reply["usage"]["completion_tokens"] == 3 or reply["choices"][0]["finish_reason"] == "stop"
+
+
 def test_completion_and_its_stream_equal_library(server, library):
     for prompt in PROMPTS[:2]:
         tokens, text = alone(library, library.tokenizer.encode_prompt(prompt), 30)
