@@ -1461,7 +1461,11 @@ def read_tool_choice(body: dict, names: list) -> str:
 def chat_messages(messages: list, tools: Optional[list], tokenizer) -> tuple:
     """(messages, tools) for the chat template: as they are where it reads `tools`; otherwise the tools described
     in a system message (TOOLS_PROMPT), earlier calls written as the JSON the model is asked for, and tool results
-    as user messages."""
+    as user messages. A `developer` message (OpenAI's newer name for the system message) is a system message where
+    the template does not name that role: a template knows the roles its model was trained on, and Llama 2's refuses
+    any other."""
+    if any(m["role"] == "developer" for m in messages) and "developer" not in (tokenizer.chat_template or ""):
+        messages = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
     if tokenizer.uses_tools or not (tools or any("tool_calls" in m or m["role"] == "tool" for m in messages)):
         return messages, tools
     out = []

@@ -154,6 +154,19 @@ def test_chat_completion_equals_library(server, library):
     assert reply.id.startswith("chatcmpl-") and reply.model == server.name and reply.created > 0
 
 
+def test_a_developer_message_is_the_system_message(server, library):
+    """OpenAI's clients send instructions as role "developer" (its newer name for "system"): a template that knows
+    only system, user and assistant (Llama 2's refuses any other role) gets them as the system message."""
+    question = {"role": "user", "content": "What is argparse?"}
+    system = [{"role": "system", "content": "Answer briefly."}, question]
+    reply = server.client.chat.completions.create(model=server.name, max_tokens=8, temperature=0,
+                                                  messages=[{"role": "developer", "content": "Answer briefly."},
+                                                            question])
+    tokens, text = alone(library, library.tokenizer.chat_ids(system), 8)
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == len(library.tokenizer.chat_ids(system))
+
+
 def test_max_completion_tokens_or_max_tokens_bounds_a_chat_answer(server):
     """Chat takes either field; one sent as null (clients that serialize every field) leaves the other in force."""
     messages = [{"role": "user", "content": "Count on and on."}]
