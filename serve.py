@@ -1714,7 +1714,9 @@ def read_prompt(body: dict, chat: bool, tokenizer, tools: Optional[list] = None)
 def fit_context(prompt_ids: list, max_tokens: Optional[int], context: int, param: str) -> int:
     """The request's `max_tokens` (by default, the rest of the context), refused when prompt + completion do not
     fit the context."""
-    if not prompt_ids or len(prompt_ids) >= context:
+    if not prompt_ids:  # "" where the tokenizer adds no BOS: nothing to continue
+        raise ApiError(400, f"`{param}` is empty: give at least one token to continue", param, "invalid_value")
+    if len(prompt_ids) >= context:
         raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server's context is {context} tokens "
                        f"(prompt + completion): shorten `{param}`", param, "context_length_exceeded")
     if max_tokens is None:

@@ -698,6 +698,14 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, status, param):
     assert error["type"] == "invalid_request_error" and (param is None or param.split("[")[0] in error["message"])
 
 
+def test_an_empty_prompt_is_a_400_that_says_so():
+    """A tokenizer without BOS encodes "" as no ids at all: nothing to continue, which is not a context overflow."""
+    with pytest.raises(serve.ApiError) as e:
+        serve.fit_context([], 16, 256, "prompt")
+    assert e.value.status == 400 and e.value.param == "prompt" and e.value.code == "invalid_value"
+    assert "empty" in e.value.message and "shorten" not in e.value.message
+
+
 def test_neutral_values_of_unsupported_fields_pass(server):
     """Clients that send the unsupported fields' off values (a text response format, no tools, no bias) get their
     answer."""
