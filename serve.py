@@ -1433,7 +1433,8 @@ def read_tools(body: dict) -> list:
         if name in [n for n, _, _ in out]:
             raise ApiError(400, f"`{where}.function.name` {name!r} names two tools", f"{where}.function.name",
                            "invalid_value")
-        parameters = function.get("parameters", NO_PARAMETERS)
+        parameters = function.get("parameters")
+        parameters = NO_PARAMETERS if parameters is None else parameters  # null, as elsewhere, is absent
         schema_error(check_schema, parameters, f"{where}.function.parameters")
         out.append((name, parameters, tool))
     return out
