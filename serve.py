@@ -1255,8 +1255,9 @@ def read_settings(body: dict, chat: bool) -> dict:
                        "stop", "invalid_value")
     for s in stop or []:
         check_text(s, "stop")
-    max_tokens = field_of(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                          (int,), None, lambda v: v >= (0 if echo else 1),
+    # chat's newer name wins where it has a value (a client may send the one it does not use as null)
+    bound = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = field_of(body, bound, (int,), None, lambda v: v >= (0 if echo else 1),
                           "an integer >= 1 (0 only with `echo`: the prompt scored, nothing generated)")
     options = field_of(body, "stream_options", (dict,), {}, None, "an object")
     if options and body.get("stream") is not True:
@@ -1432,7 +1433,8 @@ def read_tools(body: dict) -> list:
         if name in [n for n, _, _ in out]:
             raise ApiError(400, f"`{where}.function.name` {name!r} names two tools", f"{where}.function.name",
                            "invalid_value")
-        parameters = function.get("parameters", NO_PARAMETERS)
+        parameters = function.get("parameters")
+        parameters = NO_PARAMETERS if parameters is None else parameters  # null, as elsewhere, is absent
         schema_error(check_schema, parameters, f"{where}.function.parameters")
         out.append((name, parameters, tool))
     return out
@@ -1460,7 +1462,11 @@ def read_tool_choice(body: dict, names: list) -> str:
 def chat_messages(messages: list, tools: Optional[list], tokenizer) -> tuple:
     """(messages, tools) for the chat template: as they are where it reads `tools`; otherwise the tools described
     in a system message (TOOLS_PROMPT), earlier calls written as the JSON the model is asked for, and tool results
-    as user messages."""
+    as user messages. A `developer` message (OpenAI's newer name for the system message) is a system message where
+    the template does not name that role: a template knows the roles its model was trained on, and Llama 2's refuses
+    any other."""
+    if any(m["role"] == "developer" for m in messages) and "developer" not in (tokenizer.chat_template or ""):
+        messages = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
     if tokenizer.uses_tools or not (tools or any("tool_calls" in m or m["role"] == "tool" for m in messages)):
         return messages, tools
     out = []
@@ -1709,7 +1715,9 @@ def read_prompt(body: dict, chat: bool, tokenizer, tools: Optional[list] = None)
 def fit_context(prompt_ids: list, max_tokens: Optional[int], context: int, param: str) -> int:
     """The request's `max_tokens` (by default, the rest of the context), refused when prompt + completion do not
     fit the context."""
-    if not prompt_ids or len(prompt_ids) >= context:
+    if not prompt_ids:  # "" where the tokenizer adds no BOS: nothing to continue
+        raise ApiError(400, f"`{param}` is empty: give at least one token to continue", param, "invalid_value")
+    if len(prompt_ids) >= context:
         raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server's context is {context} tokens "
                        f"(prompt + completion): shorten `{param}`", param, "context_length_exceeded")
     if max_tokens is None:

@@ -194,6 +194,18 @@ def test_a_tool_call_round_trip(server):
             assert not choice.message.content.startswith("{")
 
 
+def test_a_tool_without_parameters_takes_no_arguments(server):
+    """`parameters` absent or null (clients that serialize every field of a function): a call of it has no
+    arguments, as OpenAI's functions without parameters."""
+    for function in ({"name": "now"}, {"name": "now", "parameters": None}):
+        status, reply = server.post("/v1/chat/completions", {
+            "messages": MESSAGES, "tools": [{"type": "function", "function": function}], "tool_choice": "required",
+            "temperature": 0, "max_tokens": 50})
+        assert status == 200, reply
+        call = reply["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "now" and json.loads(call["arguments"]) == {}
+
+
 def test_tools_reach_the_chat_template_or_a_system_message(library):
     """A template that reads `tools` renders them itself; otherwise they are described in a system message, and
     earlier calls and results are written as text the template takes."""

@@ -154,6 +154,29 @@ def test_chat_completion_equals_library(server, library):
     assert reply.id.startswith("chatcmpl-") and reply.model == server.name and reply.created > 0
 
 
+def test_a_developer_message_is_the_system_message(server, library):
+    """OpenAI's clients send instructions as role "developer" (its newer name for "system"): a template that knows
+    only system, user and assistant (Llama 2's refuses any other role) gets them as the system message."""
+    question = {"role": "user", "content": "What is argparse?"}
+    system = [{"role": "system", "content": "Answer briefly."}, question]
+    reply = server.client.chat.completions.create(model=server.name, max_tokens=8, temperature=0,
+                                                  messages=[{"role": "developer", "content": "Answer briefly."},
+                                                            question])
+    tokens, text = alone(library, library.tokenizer.chat_ids(system), 8)
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == len(library.tokenizer.chat_ids(system))
+
+
+def test_max_completion_tokens_or_max_tokens_bounds_a_chat_answer(server):
+    """Chat takes either field; one sent as null (clients that serialize every field) leaves the other in force."""
+    messages = [{"role": "user", "content": "Count on and on."}]
+    for bound in ({"max_completion_tokens": 3}, {"max_tokens": 3}, {"max_completion_tokens": None, "max_tokens": 3},
+                  {"max_completion_tokens": 3, "max_tokens": None}):
+        status, reply = server.post("/v1/chat/completions", {"messages": messages, "temperature": 0, **bound})
+        assert status == 200 and reply["usage"]["completion_tokens"] <= 3, bound
+        assert reply["usage"]["completion_tokens"] == 3 or reply["choices"][0]["finish_reason"] == "stop"
+
+
 def test_completion_and_its_stream_equal_library(server, library):
     for prompt in PROMPTS[:2]:
         tokens, text = alone(library, library.tokenizer.encode_prompt(prompt), 30)
@@ -673,6 +696,14 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, status, param):
     error = reply["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert error["type"] == "invalid_request_error" and (param is None or param.split("[")[0] in error["message"])
+
+
+def test_an_empty_prompt_is_a_400_that_says_so():
+    """A tokenizer without BOS encodes "" as no ids at all: nothing to continue, which is not a context overflow."""
+    with pytest.raises(serve.ApiError) as e:
+        serve.fit_context([], 16, 256, "prompt")
+    assert e.value.status == 400 and e.value.param == "prompt" and e.value.code == "invalid_value"
+    assert "empty" in e.value.message and "shorten" not in e.value.message
 
 
 def test_neutral_values_of_unsupported_fields_pass(server):
