@@ -1893,8 +1893,8 @@ async def stream(r: Request, events: asyncio.Queue, watcher, scheduler: Schedule
 # ----------------------------------------------------------------------------- command line
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="OpenAI-compatible server: continuous batching, speculative decoding of a "
-                                            "lone request, a chat page at /")
+    p = argparse.ArgumentParser(description="OpenAI-compatible server: continuous batching, speculative decoding in "
+                                            "the batch, a prefix cache, a chat page at /")
     p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/tiny/target/model.pth"))
     p.add_argument("--draft_checkpoint_path", type=Path, default=None)
     p.add_argument("--draft_head", type=Path, default=None, help="a draft head (scripts/train_draft_head.py)")
