@@ -439,7 +439,7 @@ class Scheduler:
     for w in PREFILL_WIDTHS, the drafter's own), so compiled graphs are built once, by warm_up()."""
 
     def __init__(self, generator: Generator, max_batch_size: int, max_queue: int, max_seq_length: int,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, stream_interval: float = 0.0):
         self.generator, self.engine, self.model = generator, generator.target, generator.model
         self.tokenizer, self.eos = generator.tokenizer, set(generator.eos_ids)
         self.byte_ids = byte_tokens(self.tokenizer)
@@ -476,6 +476,7 @@ class Scheduler:
         self.idle = lambda: None  # called every half second while no request runs (tensor parallelism: a ping)
         self.metrics = Metrics(max_batch_size)
         self.mailboxes = []  # where requests' events wait for flush() (Mailbox)
+        self.stream_interval, self.flushed_at, self.urgent = stream_interval, 0.0, False
         self.thread = threading.Thread(target=self.loop, name="scheduler", daemon=True)
 
     @property
@@ -550,7 +551,7 @@ class Scheduler:
                 r.error = ending
                 r.push(("error", ending))
             self.rows, self.waiting = [None] * self.batch, collections.deque()
-        self.flush()
+        self.flush(force=True)
 
     def ending(self) -> ApiError:
         """The 503 of a server that stops: shutting down, or the ranks of tensor parallelism lost (self.failure)."""
@@ -558,8 +559,14 @@ class Scheduler:
             return ApiError(503, self.failure, kind="server_error", code="tensor_parallel_failed")
         return ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
 
-    def flush(self):
-        """Hand this step's events to the HTTP side."""
+    def flush(self, force: bool = False):
+        """Hand the events so far to the HTTP side: at once where a request got its first token, ended or failed,
+        otherwise at most every `stream_interval` seconds. Each hand-over wakes the event loop, whose thread then
+        takes a core from the model's threads mid-step where none is spare (OpenMP's threads wait for each other)."""
+        now = time.perf_counter()
+        if not (force or self.urgent or now - self.flushed_at >= self.stream_interval):
+            return
+        self.urgent, self.flushed_at = False, now
         for mailbox in self.mailboxes:
             mailbox.flush()
 
@@ -591,9 +598,10 @@ class Scheduler:
         self.metrics.outcomes[outcome] += 1
         if outcome in ("stop", "length"):
             r.push(("done", r.finish_reason))
+        self.urgent = True
 
     def fail(self, r: Request, error: ApiError):
-        r.error = error
+        r.error, self.urgent = error, True
         if r.slot is not None and self.rows[r.slot] is r:
             self.release(r, "error")
         r.push(("error", error))
@@ -602,7 +610,7 @@ class Scheduler:
         """A new token of r (the row's own failure ends only r), chosen from the target's logits (or log-probs)
         `scores` [V] where r asks for logprobs; returns whether r is finished."""
         if r.first_token_at is None:
-            r.first_token_at = time.perf_counter()
+            r.first_token_at, self.urgent = time.perf_counter(), True
             self.metrics.first_token(r.first_token_at - r.submitted)
         self.metrics.produced(1)
         try:
@@ -1909,6 +1917,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "every decode step attends over this many cache slots, so size it to your requests")
     p.add_argument("--no_prefix_cache", action="store_true",
                    help="compute every prompt whole: no reuse of the keys and values of an earlier request's prefix")
+    p.add_argument("--stream_interval", type=float, default=0.02, metavar="SECONDS",
+                   help="the least time between hand-overs of decoded tokens to the clients (faster decoding hands "
+                        "several over at once); a first token, an end, an error go at once; 0: every step")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api_key", default=None, help="require `Authorization: Bearer KEY`")
@@ -1928,7 +1939,7 @@ def build_scheduler(args: argparse.Namespace, shard=None) -> Scheduler:
                                 draft_head=args.draft_head)
     block = generator.model.args.block_size
     return Scheduler(generator, args.max_batch_size, args.max_queue, min(args.max_seq_length or 4096, block),
-                     not args.no_prefix_cache)
+                     not args.no_prefix_cache, args.stream_interval)
 
 
 def check_args(args: argparse.Namespace):
@@ -1940,6 +1951,8 @@ def check_args(args: argparse.Namespace):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name} must be >= 1, got {value}")
+    if not 0 <= args.stream_interval <= 1:  # also NaN
+        raise UserError(f"--stream_interval must be in [0, 1] seconds, got {args.stream_interval}")
     if not args.checkpoint_path.is_file():
         raise UserError(f"checkpoint not found: {args.checkpoint_path}: pass a model.pth file")
 

@@ -1,6 +1,6 @@
 """serve.py under load: N closed-loop clients (each sends its next streaming request as soon as the last one ends)
 against a server on a loopback port, at --max_batch_size B = 1, 4, 8: aggregate tokens/s, p50 / p95 time to first
-token and inter-token latency; beside the same figures of another OpenAI-compatible server (llama.cpp's
+token and time per output token; beside the same figures of another OpenAI-compatible server (llama.cpp's
 llama-server) on the same weights, where one is given.
 
     python scripts/bench_serve.py --checkpoint_path checkpoints/tiny/target/model.pth --seconds 20 --json out.json
@@ -8,9 +8,9 @@ llama-server) on the same weights, where one is given.
 Each B starts its own server (python serve.py, same flags), waits for GET /health, then runs --clients clients
 (default 2 B; B with a peer) for --seconds per workload. Tokens/s counts the completion tokens of the requests that
 finished inside the window (their usage), over the window; answer tokens/s: each such answer's tokens over its time
-from request sent to its last chunk (mean). Time to first token: request sent -> first text chunk; inter-token
-latency: the gaps between text chunks (a chunk carries one token's text, or several where held-back text is released
-at once). Workloads (--workloads): plain (short prompts to /v1/completions), shared (chat requests of one long
+from request sent to its last chunk (mean). Time to first token: request sent -> first text chunk; time per output
+token (TPOT): per request, first text chunk -> last over the chunks after the first (a chunk carries one token's
+text, or several where held-back text is released at once). Workloads (--workloads): plain (short prompts to /v1/completions), shared (chat requests of one long
 common system prompt, --system_tokens, and a short distinct question) and chat (each client holds chats of --turns
 turns, each request the conversation so far; its last turns' TTFT is reported apart).
 
@@ -224,10 +224,13 @@ def percentile(values: list, q: int):
 
 
 def latencies(results: list) -> tuple:
-    """Times to first token and inter-token latencies (seconds) of these requests' chunk arrivals."""
+    """Times to first token and times per output token (seconds) of these requests' chunk arrivals: a request's
+    TPOT is its first chunk -> last chunk over the chunks after the first (a server that hands several chunks over
+    at once has near-zero gaps between chunks and longer ones between hand-overs: their mean is its pace)."""
     ttft = [r["arrivals"][0] - r["sent"] for r in results if r["arrivals"]]
-    itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
-    return ttft, itl
+    tpot = [(r["arrivals"][-1] - r["arrivals"][0]) / (len(r["arrivals"]) - 1) for r in results
+            if len(r["arrivals"]) > 1]
+    return ttft, tpot
 
 
 def summarize(done: list, seconds: float, stop_at: float) -> dict:
@@ -235,14 +238,14 @@ def summarize(done: list, seconds: float, stop_at: float) -> dict:
     -> last chunk) and completion tokens (an answer may end at the model's end of text), and latency percentiles
     of every request; for a chat, its last turns' TTFT apart."""
     inside = [r for r in done if r["ended"] <= stop_at]
-    ttft, itl = latencies(done)
+    ttft, tpot = latencies(done)
     rates = [r["tokens"] / (r["ended"] - r["sent"]) for r in inside if r["tokens"]]
     last = max((r.get("turn", 0) for r in done), default=0)
     row = {"requests": len(done), "tokens_per_sec": sum(r["tokens"] for r in inside) / seconds,
            "answer_tokens_per_sec": statistics.mean(rates) if rates else None,
            "tokens_per_answer": statistics.mean(r["tokens"] for r in inside) if inside else None,
            "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95),
-           "itl_p50": percentile(itl, 50), "itl_p95": percentile(itl, 95)}
+           "tpot_p50": percentile(tpot, 50), "tpot_p95": percentile(tpot, 95)}
     if last:
         row["last_turn"] = last
         row["last_turn_ttft_p50"] = percentile(latencies([r for r in done if r.get("turn") == last])[0], 50)
@@ -390,8 +393,8 @@ def side_by_side(batch: int, mode: str, workload: str, clients: int, figures: di
         ours, peer = figures["ours"], figures["peer"]
         ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
         row["x"] = {key: ratio(ours.get(key), peer.get(key)) if "tokens" in key else ratio(peer.get(key), ours.get(key))
-                    for key in ("tokens_per_sec", "answer_tokens_per_sec", "ttft_p50", "ttft_p95", "itl_p50",
-                                "itl_p95", "last_turn_ttft_p50")}
+                    for key in ("tokens_per_sec", "answer_tokens_per_sec", "ttft_p50", "ttft_p95", "tpot_p50",
+                                "tpot_p95", "last_turn_ttft_p50")}
     return row
 
 
@@ -424,10 +427,10 @@ def report_versus(args, extra: list, peer, rows: list):
                           "" if x else str(r["clients"]), "" if x else str(f["requests"]),
                           "" if x else show(f["tokens_per_answer"], ".1f"), speed(f["tokens_per_sec"]),
                           speed(f["answer_tokens_per_sec"]), *[latency(f[k]) for k in ("ttft_p50", "ttft_p95",
-                                                                                       "itl_p50", "itl_p95")],
+                                                                                       "tpot_p50", "tpot_p95")],
                           latency(f.get("last_turn_ttft_p50"))])
     table(["B", "mode", "workload", "server", "clients", "requests", "tok/answer", "tokens/s", "answer tok/s", "TTFT p50",
-           "TTFT p95", "ITL p50", "ITL p95", "last turn TTFT"], lines,
+           "TTFT p95", "TPOT p50", "TPOT p95", "last turn TTFT"], lines,
           "latencies in ms" + ("; x: ours / peer for tokens/s, peer / ours for latencies: > 1, ours ahead"
                                if peer else ""))
     write_result(args.json, {

@@ -1,4 +1,4 @@
-"""scripts/bench_serve.py beside a peer: its percentiles and inter-token latencies from chunk times, the side-by-side
+"""scripts/bench_serve.py beside a peer: its percentiles and times per output token from chunk times, the side-by-side
 rows, table and JSON, bad peer flags in one line, and (slow) the whole comparison with our own serve.py standing in
 as the peer (CI has no llama.cpp: the peer is any OpenAI-compatible server started by a command line)."""
 import itertools
@@ -29,11 +29,13 @@ def test_percentiles_are_numpys_linear_ones():
     assert bench_serve.percentile([3.0], 95) == 3.0 and bench_serve.percentile([], 50) is None
 
 
-def test_first_token_and_inter_token_latencies_come_from_the_chunk_times():
-    """TTFT: request sent -> first chunk; ITL: every gap between chunks of one answer (none across answers)."""
-    results = [answer(0.0, [0.5, 0.6, 0.8], 3, 0.9), answer(1.0, [1.2, 1.25], 2, 1.3), answer(2.0, [], 0, 2.1)]
-    ttft, itl = bench_serve.latencies(results)
-    assert ttft == pytest.approx([0.5, 0.2]) and itl == pytest.approx([0.1, 0.2, 0.05])
+def test_first_token_and_per_token_times_come_from_the_chunk_times():
+    """TTFT: request sent -> first chunk; TPOT: an answer's first chunk -> last over its chunks after the first
+    (none for an answer of one chunk or none; chunks handed over in bursts count at their mean pace)."""
+    results = [answer(0.0, [0.5, 0.6, 0.8], 3, 0.9), answer(1.0, [1.2, 1.25], 2, 1.3), answer(2.0, [], 0, 2.1),
+               answer(3.0, [3.1], 1, 3.2), answer(4.0, [4.1, 4.1, 4.1, 4.4, 4.4, 4.4], 6, 4.5)]
+    ttft, tpot = bench_serve.latencies(results)
+    assert ttft == pytest.approx([0.5, 0.2, 0.1, 0.1]) and tpot == pytest.approx([0.15, 0.05, 0.06])
 
 
 def test_summary_counts_the_answers_that_ended_inside_the_window():
@@ -45,20 +47,20 @@ def test_summary_counts_the_answers_that_ended_inside_the_window():
     assert row["requests"] == 3 and row["tokens_per_sec"] == pytest.approx((3 + 2) / 2.0)
     assert row["answer_tokens_per_sec"] == pytest.approx((3 / 0.5 + 2 / 0.5) / 2) and row["tokens_per_answer"] == 2.5
     assert row["ttft_p50"] == pytest.approx(0.4) and row["ttft_p95"] == pytest.approx(np.percentile([.1, .4, .5], 95))
-    gaps = [0.1, 0.2, 0.1, 0.1, 0.3, 0.1]
-    assert row["itl_p50"] == pytest.approx(np.percentile(gaps, 50))
-    assert row["itl_p95"] == pytest.approx(np.percentile(gaps, 95))
+    paces = [0.15, 0.1, 0.5 / 3]
+    assert row["tpot_p50"] == pytest.approx(np.percentile(paces, 50))
+    assert row["tpot_p95"] == pytest.approx(np.percentile(paces, 95))
     assert row["last_turn"] == 2 and row["last_turn_ttft_p50"] == pytest.approx(0.45)
 
 
 def test_side_by_side_rows_print_and_hold_both_sides_and_their_ratios(tmp_path, capsys):
     ours = {"requests": 10, "tokens_per_answer": 30.0, "tokens_per_sec": 300.0, "answer_tokens_per_sec": 40.0, "ttft_p50": 0.02,
-            "ttft_p95": 0.05, "itl_p50": 0.01, "itl_p95": 0.02, "clients": 4}
-    peer = dict(ours, tokens_per_sec=150.0, answer_tokens_per_sec=50.0, ttft_p95=0.1, itl_p50=None)
+            "ttft_p95": 0.05, "tpot_p50": 0.01, "tpot_p95": 0.02, "clients": 4}
+    peer = dict(ours, tokens_per_sec=150.0, answer_tokens_per_sec=50.0, ttft_p95=0.1, tpot_p50=None)
     row = bench_serve.side_by_side(4, "plain", "shared", 4, {"ours": ours, "peer": peer})
     assert row["x"]["tokens_per_sec"] == 2.0 and row["x"]["answer_tokens_per_sec"] == 0.8
     assert row["x"]["ttft_p95"] == pytest.approx(2.0) and row["x"]["ttft_p50"] == 1.0
-    assert row["x"]["itl_p50"] is None and row["x"]["last_turn_ttft_p50"] is None
+    assert row["x"]["tpot_p50"] is None and row["x"]["last_turn_ttft_p50"] is None
     args = bench_serve.parse(["--llama_cpp", "L", "--json", str(tmp_path / "out.json")])
     bench_serve.report_versus(args, [], {"name": "llama-server", "command": ["x"], "draft": []}, [row])
     lines = capsys.readouterr().out.splitlines()
@@ -109,7 +111,7 @@ def test_bench_serve_beside_a_peer_started_by_its_command_line(random_target, ra
         for side in ("ours", "peer"):
             f = r[side]
             assert f["requests"] >= 1 and f["tokens_per_sec"] > 0 and 0 < f["ttft_p50"] <= f["ttft_p95"]
-            assert 0 < f["itl_p50"] <= f["itl_p95"]
+            assert 0 < f["tpot_p50"] <= f["tpot_p95"]
             assert (f.get("last_turn"), f.get("last_turn_ttft_p50") is not None) == (
                 (2, True) if r["workload"] == "chat" else (None, False))
         assert r["x"]["tokens_per_sec"] == pytest.approx(r["ours"]["tokens_per_sec"] / r["peer"]["tokens_per_sec"])
