@@ -10,9 +10,10 @@ Each B starts its own server (python serve.py, same flags), waits for GET /healt
 finished inside the window (their usage), over the window; answer tokens/s: each such answer's tokens over its time
 from request sent to its last chunk (mean). Time to first token: request sent -> first text chunk; time per output
 token (TPOT): per request, first text chunk -> last over the chunks after the first (a chunk carries one token's
-text, or several where held-back text is released at once). Workloads (--workloads): plain (short prompts to /v1/completions), shared (chat requests of one long
-common system prompt, --system_tokens, and a short distinct question) and chat (each client holds chats of --turns
-turns, each request the conversation so far; its last turns' TTFT is reported apart).
+text, or several where held-back text is released at once). Workloads (--workloads): plain (short prompts to
+/v1/completions), shared (chat requests of one long common system prompt, --system_tokens, and a short distinct
+question) and chat (each client holds chats of --turns turns, each request the conversation so far; its last turns'
+TTFT is reported apart).
 
     python scripts/bench_serve.py --checkpoint_path M/model.pth --llama_cpp DIR --gguf M.F32.gguf \\
         --workloads plain,shared,chat --json out.json -- --compile
