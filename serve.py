@@ -564,6 +564,8 @@ class Scheduler:
         otherwise at most every `stream_interval` seconds. Each hand-over wakes the event loop, whose thread then
         takes a core from the model's threads mid-step where none is spare (OpenMP's threads wait for each other)."""
         now = time.perf_counter()
+        if not any(mailbox.pending for mailbox in self.mailboxes):  # a first token may have no text yet: it waits
+            return
         if not (force or self.urgent or now - self.flushed_at >= self.stream_interval):
             return
         self.urgent, self.flushed_at = False, now

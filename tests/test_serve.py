@@ -1373,3 +1373,68 @@ def test_sampled_rows_speculating_in_a_batch_are_target_distributed(random_targe
     assert all(len(set(map(tuple, got))) == 1 for got in greedy)  # a greedy row beside them: always the same
     assert (min(pvalues.values()) < REJECT_BELOW) == (breakage is not None), pvalues
     assert 1.2 < tokens / forwards < 2.8  # drafts accepted and rejected (depth 2: at most 3 tokens a forward)
+
+
+class Recorder:
+    """A Mailbox stand-in: the events posted since the last flush, and each hand-over with the step it came at."""
+
+    def __init__(self, step):
+        self.pending, self.handed, self.step = [], [], step
+
+    def post(self, event):
+        self.pending.append(event)
+
+    def flush(self):
+        if self.pending:
+            self.handed.append((self.step[0], self.pending))
+            self.pending = []
+
+
+@pytest.mark.parametrize("interval", [0.0, 0.02])
+def test_tokens_reach_the_http_side_at_most_every_stream_interval_and_first_tokens_and_ends_at_once(
+        random_target, library, monkeypatch, interval):
+    """The scheduler's loop by hand on a clock of 7 ms a step: with --stream_interval 0 every step's events go out
+    after it; with 20 ms a first token and an end go out after the step that made them, other tokens wait at most
+    one step past the interval (a hand-over wakes the event loop, which takes a core mid-step where none is spare).
+    Every event goes out once, in order, whatever the interval."""
+    clock, step = [0.0], [0]
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
+    scheduler = serve.Scheduler(generation.Generator.build(random_target), 2, 64, 200, stream_interval=interval)
+    recorder = Recorder(step)
+    scheduler.mailboxes = [recorder]
+    ids = library.tokenizer.encode_prompt("def main(")
+    r = serve.Request(ids, 40, Sampling(temperature=0), push=recorder.post)
+    scheduler.submit(r)
+    made = {}  # step -> the events it made
+    while r.finish_reason is None:
+        with scheduler.wake:
+            scheduler.admit()
+        before = len(recorder.pending) + sum(len(events) for _, events in recorder.handed)
+        scheduler.step()
+        made[step[0]] = len(recorder.pending) + sum(len(events) for _, events in recorder.handed) - before
+        clock[0] += 0.007
+        scheduler.flush()
+        step[0] += 1
+        assert step[0] < 200 and r.error is None
+    events = [event for _, handed in recorder.handed for event in handed]
+    assert not recorder.pending and events[-1] == ("done", r.finish_reason)
+    assert "".join(value for kind, value in events if kind == "text") == r.text and len(r.tokens) > 10
+    steps = [k for k, _ in recorder.handed]
+    first = min(k for k, n in made.items() if n)
+    assert steps[0] == first and steps[-1] == max(made)  # the first token and the end: after their own step
+    if interval == 0:
+        assert steps == [k for k, n in sorted(made.items()) if n]
+    else:  # none sooner than 20 ms after the last (but the end); none of a token made over 2 steps (14 ms) before
+        assert all(b - a >= 3 for a, b in zip(steps, steps[1:-1])), steps
+        oldest = [min(j for j, n in made.items() if n and j > a) for a in steps[:-1]]
+        assert all(k - j <= 2 for j, k in zip(oldest, steps[1:])), (steps, made)
+        assert len(steps) < len([n for n in made.values() if n]) / 2
+
+
+@pytest.mark.parametrize("value", ["-0.01", "nan", "2"])
+def test_a_stream_interval_out_of_range_is_one_line_before_loading(random_target, capsys, monkeypatch, value):
+    loaded = []
+    monkeypatch.setattr(serve, "build_scheduler", lambda args: loaded.append(1))
+    assert serve.main(["--checkpoint_path", str(random_target), "--stream_interval", value]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: --stream_interval must be in [0, 1] seconds, got {float(value)}"] and not loaded
