@@ -141,7 +141,9 @@ class Request:
         ttft = (self.first_token_at or end) - self.submitted
         decode_seconds = end - (self.first_token_at or end)
         out = {"time_to_first_token": round(ttft, 4), "completion_tokens": len(self.tokens),
-               "tokens_per_second": round((len(self.tokens) - 1) / decode_seconds, 2) if decode_seconds > 0 else None}
+               # none for an answer of one token: no token came after the first to time
+               "tokens_per_second": round((len(self.tokens) - 1) / decode_seconds, 2)
+               if len(self.tokens) > 1 and decode_seconds > 0 else None}
         if self.spec_forwards:
             out["tokens_per_target_forward"] = round(self.spec_tokens / self.spec_forwards, 3)
         if self.note:

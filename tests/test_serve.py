@@ -1438,3 +1438,11 @@ def test_a_stream_interval_out_of_range_is_one_line_before_loading(random_target
     assert serve.main(["--checkpoint_path", str(random_target), "--stream_interval", value]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"error: --stream_interval must be in [0, 1] seconds, got {float(value)}"] and not loaded
+
+
+def test_an_answer_of_one_token_has_no_tokens_per_second(server):
+    """No token follows the first to time: the figure is null (it read 0.0, a pace the server never had)."""
+    _, one = server.post("/v1/completions", {"prompt": "def main(", "max_tokens": 1, "temperature": 0})
+    _, more = server.post("/v1/completions", {"prompt": "def main(", "max_tokens": 4, "temperature": 0})
+    assert one["usage"]["completion_tokens"] == 1 and one["fastgen"]["tokens_per_second"] is None
+    assert more["usage"]["completion_tokens"] == 4 and more["fastgen"]["tokens_per_second"] > 0
