@@ -565,14 +565,11 @@ class Scheduler:
         """Hand the events so far to the HTTP side: at once where a request got its first token, ended or failed,
         otherwise at most every `stream_interval` seconds. Each hand-over wakes the event loop, whose thread then
         takes a core from the model's threads mid-step where none is spare (OpenMP's threads wait for each other)."""
-        now = time.perf_counter()
-        if not any(mailbox.pending for mailbox in self.mailboxes):  # a first token may have no text yet: it waits
+        if not (force or self.urgent or time.perf_counter() - self.flushed_at >= self.stream_interval):
             return
-        if not (force or self.urgent or now - self.flushed_at >= self.stream_interval):
-            return
-        self.urgent, self.flushed_at = False, now
-        for mailbox in self.mailboxes:
-            mailbox.flush()
+        # a hand-over of nothing (a first token with no text yet) leaves the next text urgent
+        if any([mailbox.flush() for mailbox in self.mailboxes]):
+            self.urgent, self.flushed_at = False, time.perf_counter()
 
     def admit(self):
         """Waiting requests into free rows (lowest first); cancelled ones leave (called holding self.wake)."""
@@ -1584,14 +1581,16 @@ class Mailbox:
         with self.lock:
             self.pending.append((queue, event))
 
-    def flush(self):
+    def flush(self) -> bool:
+        """Wake the loop to deliver what is pending; whether anything was."""
         with self.lock:
             if not self.pending:
-                return
+                return False
         try:
             self.loop.call_soon_threadsafe(self.deliver)
         except RuntimeError:  # the event loop is closed: the server is going down
             pass
+        return True
 
     def deliver(self):
         with self.lock:

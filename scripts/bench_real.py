@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 from errors import interruptible_imports, run_cli  # noqa: E402
@@ -218,15 +219,8 @@ def configurations(args, model_pth: Path, eos: tuple, threads: int) -> tuple:
 def on_huge_pages(build):
     """`build` with FASTGEN_HUGE_PAGES=1 while it runs: its weights go onto 2 MB pages."""
     def built():
-        before = os.environ.get("FASTGEN_HUGE_PAGES")
-        os.environ["FASTGEN_HUGE_PAGES"] = "1"
-        try:
+        with mock.patch.dict(os.environ, FASTGEN_HUGE_PAGES="1"):
             return build()
-        finally:
-            if before is None:
-                del os.environ["FASTGEN_HUGE_PAGES"]
-            else:
-                os.environ["FASTGEN_HUGE_PAGES"] = before
     return built
 
 

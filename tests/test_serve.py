@@ -1384,10 +1384,12 @@ class Recorder:
     def post(self, event):
         self.pending.append(event)
 
-    def flush(self):
-        if self.pending:
-            self.handed.append((self.step[0], self.pending))
-            self.pending = []
+    def flush(self) -> bool:
+        if not self.pending:
+            return False
+        self.handed.append((self.step[0], self.pending))
+        self.pending = []
+        return True
 
 
 @pytest.mark.parametrize("interval", [0.0, 0.02])
