@@ -1221,6 +1221,10 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
+def number_is(value, neutral) -> bool:
+    return type(value) in (int, float) and value == neutral  # not a bool: True == 1
+
+
 # Fields that would change what a client gets back, which this server does not do: a 400 naming the field, not an
 # answer that silently ignores them (a JSON mode or a tool call the client then fails to parse). Their neutral
 # values (absent, null, empty, off) pass.
@@ -1229,6 +1233,10 @@ UNSUPPORTED = {
     "logit_bias": lambda v: v == {}, "top_logprobs": lambda v: v == 0,
     "best_of": lambda v: v == 1 and not isinstance(v, bool), "suffix": lambda v: v == "",
     "modalities": lambda v: v == ["text"], "audio": lambda v: False, "prediction": lambda v: False,
+    # other servers' sampling extensions (vLLM, llama-server): a client that sends them expects them applied
+    "repetition_penalty": lambda v: number_is(v, 1), "min_p": lambda v: number_is(v, 0),
+    "typical_p": lambda v: number_is(v, 1), "min_tokens": lambda v: number_is(v, 0),
+    "mirostat": lambda v: number_is(v, 0), "ignore_eos": lambda v: v is False,
 }
 COMPLETIONS_ONLY = ("best_of", "suffix")
 CHAT_READS = ("top_logprobs",)  # completions ask for alternatives with `logprobs` N (read_logprobs)
@@ -1356,8 +1364,10 @@ def read_tool_calls(calls, where: str) -> Optional[list]:
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except json.JSONDecodeError:
-            raise ApiError(400, f"`{where}[{j}].function.arguments` is not JSON text",
-                           f"{where}[{j}].function.arguments", "invalid_value") from None
+            arguments = None
+        if not isinstance(arguments, dict):  # templates iterate its items: a list or a number would fail there
+            raise ApiError(400, f"`{where}[{j}].function.arguments` must be the JSON text of an object",
+                           f"{where}[{j}].function.arguments", "invalid_value")
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out

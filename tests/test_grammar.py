@@ -250,6 +250,10 @@ BAD = [  # (body fields, the field named)
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    # an earlier call's arguments: JSON text of an object, which templates iterate (not a list, a number, bad JSON)
+    *[({"tools": TOOLS, "messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]},
+       f"messages[{len(MESSAGES)}].tool_calls[0].function.arguments") for arguments in ("[1, 2]", 7, "{'a': 1")],
 ]
 
 

@@ -678,6 +678,14 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": -100}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    # other servers' sampling extensions: refused unless neutral (a bool is not the number 1)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.3}, 400,
+     "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": True}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 0.05}, 400, "min_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}, 400,
+     "ignore_eos"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 8}, 400, "min_tokens"),
     # JSON escapes of lone surrogates: strings no tokenizer encodes (they were a 500 with a traceback)
     ("/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": "hi", "stop": ["\\udfff"], "max_tokens": 2}', 400, "stop"),
@@ -714,6 +722,8 @@ def test_neutral_values_of_unsupported_fields_pass(server):
     status, reply = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **neutral})
     assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant"
     status, reply = server.post("/v1/completions", {"prompt": "hi", "echo": False, "best_of": 1, "suffix": "",
+                                                    "repetition_penalty": 1.0, "min_p": 0, "typical_p": 1,
+                                                    "min_tokens": 0, "mirostat": 0, "ignore_eos": False,
                                                     "max_tokens": 2})
     assert status == 200 and (reply["usage"]["completion_tokens"] == 2
                               or reply["choices"][0]["finish_reason"] == "stop")  # a sampled end token
@@ -1106,6 +1116,23 @@ def test_chat_page_streams_answers_and_stops(slow_server, tmp_path):
         page.screenshot(path=str(shot), full_page=True)
         print(f"screenshot: {shot}")
         assert page.locator(".user").count() == 2 and shot.stat().st_size > 0
+        # a refused turn (max_tokens past the context) says why and leaves the conversation: the next question's
+        # request carries the two earlier turns, not the refused one, and gets its answer
+        bodies = []
+        page.on("request", lambda request: bodies.append(request.post_data_json) if request.method == "POST" else 0)
+        page.fill("#max_tokens", "1000000")
+        page.fill("#prompt", "A question refused.")
+        page.click("#send")
+        page.wait_for_function("document.querySelectorAll('.stats')[5].textContent.includes('error')", timeout=10000)
+        assert "max_tokens" in page.locator(".stats").nth(5).inner_text()
+        assert page.input_value("#prompt") == "A question refused."  # back in the box, to edit or send again
+        page.fill("#max_tokens", "3")
+        page.fill("#prompt", "Then answer briefly.")
+        page.click("#send")
+        page.wait_for_function("document.querySelectorAll('.stats')[7].textContent.includes('tokens')", timeout=30000)
+        sent = [m["content"] for m in bodies[-1]["messages"]]
+        assert sent[0::2] == ["What does argparse do?", "Now tell me everything.", "Then answer briefly."]
+        assert sent[1] == first.text_content() and sent[3] == second.text_content() and len(sent) == 5
         browser.close()
 
 
