@@ -115,9 +115,10 @@ class CompileCache:
     """The kernels of the graphs an engine compiles in its process (whole and autotune graphs, CUDA's included;
     regions), kept beside the checkpoint as torch's portable cache artifacts (torch.compiler.save_cache_artifacts:
     inductor's FX graphs, AOTAutograd, Triton kernels and autotuning choices). A later process loads them before
-    compiling, so its compiles are cache hits: dynamo still traces, but nothing is code-generated, built or tuned
-    again. Keyed and signed like stored graphs (artifacts.py): loading deserializes code, so only artifacts this
-    user built on this machine for this model, software and device are loaded. Frozen CPU graphs are not cacheable
+    compiling, so its compiles are cache hits: dynamo still traces, but nothing is code-generated or tuned again
+    (CPU's C++ kernels travel as source: g++ builds them again where inductor's own cache directory lacks them).
+    Keyed and signed like stored graphs (artifacts.py): loading deserializes code, so only artifacts this user built
+    on this machine for this model, software and device are loaded. Frozen CPU graphs are not cacheable
     by inductor (they are what stored graphs are for), so on CPU this keeps the regions'."""
 
     def __init__(self, model: Transformer, device: str, mode: str):

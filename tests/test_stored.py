@@ -21,9 +21,16 @@ import kernels
 from helpers import ROOT, write_checkpoint
 
 
-def run_script(script: str, checkpoint, cache_dir, threads: int = 1):
+def run_script(script: str, checkpoint, cache_dir, threads: int = 1, built_by=None):
     """A script (formatted with the repository root and the checkpoint) in a new process with its own inductor cache:
-    (the JSON of its last line of output, its stderr)."""
+    (the JSON of its last line of output, its stderr). built_by: an earlier run's inductor cache, whose built C++
+    libraries this one starts with (no FX graph, AOTAutograd entry or generated Python: what CompileCache keeps is
+    still what the run finds), so g++ does not build the same kernel sources again in every run."""
+    for library in Path(built_by).glob("??/*.so") if built_by else ():
+        (Path(cache_dir) / library.parent.name).mkdir(parents=True, exist_ok=True)
+        for path in (library, library.with_suffix(".cpp")):
+            if path.exists():
+                shutil.copy(path, Path(cache_dir) / library.parent.name / path.name)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS=str(threads))
     done = subprocess.run([sys.executable, "-c", script.format(root=str(ROOT), path=str(checkpoint))],
                           capture_output=True, text=True, env=env)
@@ -469,9 +476,11 @@ print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_ca
 def test_in_process_graphs_store_their_kernels_and_a_later_process_compiles_nothing(checkpoint, tmp_path):
     """Modes compiled in the process (CUDA's whole graphs, regions on CPU) store their kernels beside the checkpoint
     (compilation.CompileCache): a later process with an empty inductor cache generates the same tokens with no graph
-    code-generated again; a changed (or foreign) kernel file is refused with one line and written again."""
+    code-generated again (g++ still builds the C++ kernels' source there); a changed (or foreign) kernel file is
+    refused with one line and written again."""
     def run(name):
-        return run_script(KERNELS_RUN, checkpoint, tmp_path / name)
+        built_by = None if name == "first" else tmp_path / "first"
+        return run_script(KERNELS_RUN, checkpoint, tmp_path / name, built_by=built_by)
 
     first, _ = run("first")
     stored = list((checkpoint.parent / "compiled").glob(f"{checkpoint.stem}-kernels-regional-*.bin"))
@@ -508,12 +517,13 @@ print(json.dumps({{"tokens": rows[0], "misses": counters["inductor"]["fxgraph_ca
 def test_a_shape_compiled_in_the_process_instead_keeps_its_kernels(checkpoint, tmp_path, monkeypatch):
     """Where a stored graph cannot be built (or loaded) here, that shape is compiled in the process, and its kernels
     are stored like an in-process engine's (compilation.CompileCache): later processes, each with an empty inductor
-    cache and the failure marker, give the same tokens and load the kernels instead of compiling them (the second
+    cache and the failure marker, give the same tokens and load the graphs' code instead of generating it (the second
     process traced one of the two graphs differently from the first and compiled it; from the third on, nothing)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no kernels kept for this shape: it builds
 
     def run(name):
-        return run_script(FALLBACK_RUN, checkpoint, tmp_path / name)
+        built_by = None if name == "first" else tmp_path / "first"
+        return run_script(FALLBACK_RUN, checkpoint, tmp_path / name, built_by=built_by)
 
     first, err = run("first")
     assert "cannot store" in err and first["misses"] > 0
