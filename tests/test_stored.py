@@ -21,16 +21,24 @@ import kernels
 from helpers import ROOT, write_checkpoint
 
 
-def run_script(script: str, checkpoint, cache_dir, threads: int = 1, built_by=None):
-    """A script (formatted with the repository root and the checkpoint) in a new process with its own inductor cache:
-    (the JSON of its last line of output, its stderr). built_by: an earlier run's inductor cache, whose built C++
-    libraries this one starts with (no FX graph, AOTAutograd entry or generated Python: what CompileCache keeps is
-    still what the run finds), so g++ does not build the same kernel sources again in every run."""
-    for library in Path(built_by).glob("??/*.so") if built_by else ():
-        (Path(cache_dir) / library.parent.name).mkdir(parents=True, exist_ok=True)
+def inductor_cache(cache_dir: Path, built_by=None) -> Path:
+    """A new inductor cache holding only the C++ libraries already built in built_by (default: this process's cache):
+    no FX graph, AOTAutograd entry or generated Python, so what a run finds of its graphs is what CompileCache or a
+    stored graph gives it, while g++ does not build the same kernel sources again in every run."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as shared
+    for library in Path(built_by or shared()).glob("??/*.so"):
+        (cache_dir / library.parent.name).mkdir(parents=True, exist_ok=True)
         for path in (library, library.with_suffix(".cpp")):
             if path.exists():
-                shutil.copy(path, Path(cache_dir) / library.parent.name / path.name)
+                shutil.copy(path, cache_dir / library.parent.name / path.name)
+    return cache_dir
+
+
+def run_script(script: str, checkpoint, cache_dir, threads: int = 1, built_by=None):
+    """A script (formatted with the repository root and the checkpoint) in a new process with its own inductor cache
+    (inductor_cache): (the JSON of its last line of output, its stderr)."""
+    if not Path(cache_dir).exists():
+        inductor_cache(Path(cache_dir), built_by)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS=str(threads))
     done = subprocess.run([sys.executable, "-c", script.format(root=str(ROOT), path=str(checkpoint))],
                           capture_output=True, text=True, env=env)
@@ -198,7 +206,7 @@ def test_a_process_holding_two_batch_sizes_graphs_at_two_cache_lengths_holds_one
     weights (a binding not user-managed, say) grows it by a whole copy."""
     checkpoint = write_checkpoint(tmp_path / "wide", tokenizer_model, seed=5, dim=512, n_layer=2, n_head=8,
                                   n_local_heads=2, vocab_size=16384, block_size=256)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_cache(tmp_path / "inductor")), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(ROOT / "scripts/compile_model.py"), "--checkpoint_path",
                            str(checkpoint), "--batch_size", "1", "2"], capture_output=True, text=True, cwd=ROOT,
                           env=env)
