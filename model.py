@@ -90,6 +90,13 @@ class ModelArgs:
         if cfg["num_attention_heads"] % n_kv:
             raise UserError(f"{source}: num_attention_heads={cfg['num_attention_heads']} is not a multiple of "
                             f"num_key_value_heads={n_kv}: fix config.json")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        if head_dim % 2 or not head_dim:  # RoPE turns pairs of dimensions: an odd width fails at the first forward
+            raise UserError(f"{source}: the head width is {head_dim} ('head_dim', else hidden_size / "
+                            f"num_attention_heads), not a positive even number: fix config.json")
+        tied = cfg.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):  # "false" would be true to bool(): the file's output layer silently dropped
+            raise UserError(f"{source}: 'tie_word_embeddings' is {tied!r}, not true or false: fix config.json")
         check_llama_family(cfg, source)
         # transformers >= 5 writes `rope_parameters` (holding rope_theta too) instead of rope_scaling
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -108,9 +115,10 @@ class ModelArgs:
         eos = cfg.get("eos_token_id", 2)
         for key, ids in (("bos_token_id", [cfg.get("bos_token_id")]),
                          ("eos_token_id", eos if isinstance(eos, (list, tuple)) else [eos])):
-            if not all(i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0) for i in ids):
-                raise UserError(f"{source}: '{key}' is {cfg.get(key)!r}, not a token id (an integer >= 0) or a list "
-                                f"of them: fix config.json")
+            # bounded as vocab_size is: a larger id matches no token, and past 2^63 no tensor holds it
+            if not all(i is None or (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**24) for i in ids):
+                raise UserError(f"{source}: '{key}' is {cfg.get(key)!r}, not a token id (an integer in [0, 2^24)) or "
+                                f"a list of them: fix config.json")
         return cls(
             dim=cfg["hidden_size"],
             n_layer=cfg["num_hidden_layers"],
@@ -123,7 +131,7 @@ class ModelArgs:
             rope_base=float(rope_base),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tied,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []),
         )
@@ -416,7 +424,7 @@ ROPE_SCALING_KEYS = {"linear": ("factor",),
 def check_rope_scaling(scaling: dict, source="config.json"):
     """A RoPE scaling this model implements, with every number it reads."""
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_SCALING_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:  # a list or object cannot even be looked up
         raise UserError(f"{source}: rope_scaling type {kind!r} is not supported (supported: default, "
                         f"{', '.join(ROPE_SCALING_KEYS)})")
     for key in ROPE_SCALING_KEYS[kind]:

@@ -181,6 +181,11 @@ def nan_weights(w):
     w.state(lambda sd: {k: torch.full_like(v, float("nan")) if k == "output.weight" else v for k, v in sd.items()})
 
 
+def odd_head_width(w):  # weights that fit the config, heads 15 wide: RoPE turns pairs of dimensions
+    write_checkpoint(w.ckpt, w.ckpt / "tokenizer.model", dim=60, n_layer=1, n_head=4, head_dim=15, vocab_size=512,
+                     block_size=64)
+
+
 def quantized_file(w):  # model.pth replaced by an int8 file as quantize.py writes it
     (w.ckpt / "model.pth").write_bytes(w.bases["int8"].read_bytes())
 
@@ -275,6 +280,13 @@ CASES = [
              setup=lambda w: w.config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))),
     here(gen("config_rope_scaling_incomplete", expect=["{ckpt}/config.json", "rope_scaling"],
              setup=lambda w: w.config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))),
+    here(gen("config_rope_type_a_list", expect=["{ckpt}/config.json", "rope_scaling"],
+             setup=lambda w: w.config(rope_scaling={"rope_type": ["llama3"], "factor": 8.0}))),
+    here(gen("config_tie_word_embeddings_text", expect=["{ckpt}/config.json", "tie_word_embeddings"],
+             setup=lambda w: w.config(tie_word_embeddings="false"))),
+    here(gen("config_eos_beyond_any_vocabulary", expect=["{ckpt}/config.json", "eos_token_id"],
+             setup=lambda w: w.config(eos_token_id=10**30))),
+    here(gen("config_odd_head_width", expect=["{ckpt}/config.json", "head_dim"], setup=odd_head_width)),
     # --- generate.py: the tokenizer
     gen("tokenizer_model_corrupt", expect=["{ckpt}/tokenizer.model"],
         setup=lambda w: random_bytes(w.ckpt / "tokenizer.model")),
