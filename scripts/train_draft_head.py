@@ -563,6 +563,7 @@ def check_args(args: argparse.Namespace) -> list:
         raise UserError("`chat_share` must be between 0 and 1")
     if not args.checkpoint_path.is_file():
         raise UserError(f"no checkpoint at {args.checkpoint_path}: convert or download one first")
+    check_out(args.out, args.checkpoint_path)
     texts = []
     for path in args.text:
         try:
@@ -570,6 +571,27 @@ def check_args(args: argparse.Namespace) -> list:
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read `text` {path} ({e}): pass a UTF-8 text file") from None
     return texts
+
+
+def check_out(out: Path, checkpoint_path: Path):
+    """--out takes the head's config.json and model.safetensors: a file, the checkpoint's own directory or another
+    model's are refused before the training, not replaced after it."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"`out` {out} is a file: name a directory for the head")
+    config = out / "config.json"
+    if out.resolve() == checkpoint_path.resolve().parent or config.is_file() and not is_head_config(config):
+        raise UserError(f"`out` {out} holds a model's config.json, which the head's would replace: name a directory "
+                        f"of its own (e.g. {checkpoint_path.parent / 'head'})")
+
+
+def is_head_config(path: Path) -> bool:
+    """A draft head's config.json (ours or EAGLE-3's): a head trained there before may be replaced."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(cfg, dict) and ("eagle_config" in cfg or any("Eagle" in str(a) for a in
+                                                                   cfg.get("architectures") or []))
 
 
 def main(argv=None):
@@ -580,6 +602,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     target = load_target(args.checkpoint_path)
+    if args.top_k > target.args.vocab_size:  # torch.topk would fail at the first distilled batch
+        raise UserError(f"`top_k` {args.top_k} exceeds the model's {target.args.vocab_size} tokens: lower `top_k`")
     work = args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = get_tokenizer(args.checkpoint_path.parent)

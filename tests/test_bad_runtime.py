@@ -456,6 +456,28 @@ def test_train_draft_head_refuses_a_learning_rate_before_distilling(random_targe
     assert not (tmp_path / "head").exists()
 
 
+def test_train_draft_head_refuses_an_out_it_would_clobber_before_distilling(random_target, tmp_path, monkeypatch):
+    """--out the checkpoint's own directory had its config.json replaced by the head's after the whole training (the
+    checkpoint no longer loaded); a --top_k past the vocabulary was a traceback at the first distilled batch."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_draft_head
+    ckpt = checkpoint_copy(random_target, tmp_path / "ckpt")
+    other = tmp_path / "other"  # another model's directory
+    other.mkdir()
+    shutil.copy(ckpt.parent / "config.json", other)
+    (tmp_path / "notes.txt").write_text("notes\n")
+    before = {p: p.read_bytes() for p in (*ckpt.parent.iterdir(), other / "config.json", tmp_path / "notes.txt")}
+    distilled = []
+    monkeypatch.setattr(train_draft_head, "distilled_answers", lambda *a: distilled.append(1))
+    for out, expect in ((ckpt.parent, "holds a model's config.json"), (other, "holds a model's config.json"),
+                        (tmp_path / "notes.txt", "is a file"), (tmp_path / "head", "`top_k` 100000")):
+        with pytest.raises(errors.UserError, match=expect):
+            train_draft_head.main(["--checkpoint_path", str(ckpt), "--out", str(out), "--top_k", "100000"])
+    assert not distilled and not (tmp_path / "head").exists()
+    assert {p: p.read_bytes() for p in before} == before
+    assert set(ckpt.parent.iterdir()) | set(other.iterdir()) <= set(before)
+
+
 def test_a_benchmark_only_that_names_nothing_is_refused_before_timing():
     """`--only` with a name that matches no configuration ran the baselines for minutes, then an empty table."""
     sys.path.insert(0, str(ROOT / "scripts"))
