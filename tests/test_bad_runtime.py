@@ -478,6 +478,17 @@ def test_train_draft_head_refuses_an_out_it_would_clobber_before_distilling(rand
     assert set(ckpt.parent.iterdir()) | set(other.iterdir()) <= set(before)
 
 
+def test_compile_model_refuses_a_batch_beyond_memory_before_building(random_target, monkeypatch):
+    """scripts/compile_model.py --batch_size 1000000000 built its graphs and was then killed by the kernel's
+    out-of-memory killer, with no word; its caches are checked first."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import compile_model
+    monkeypatch.setattr(generation, "available_memory", lambda device: 1 << 20)
+    monkeypatch.setattr(generation.Generator, "generate", lambda *a, **k: pytest.fail("built before the check"))
+    with pytest.raises(errors.UserError, match="KV cache of 1000000000 rows.*lower `batch_size`"):
+        compile_model.compile_model(random_target, batch_sizes=[10**9])
+
+
 def test_a_benchmark_only_that_names_nothing_is_refused_before_timing():
     """`--only` with a name that matches no configuration ran the baselines for minutes, then an empty table."""
     sys.path.insert(0, str(ROOT / "scripts"))
