@@ -929,7 +929,9 @@ def converse(timed, generator: Generator, questions, rank: int, say):
     for text in questions:
         messages.append({"role": "user", "content": text})
         ids = tokenizer.chat_ids(messages)
-        check_fits(len(ids), 1, model.args.block_size)
+        if len(ids) >= model.args.block_size:  # no room for one answer token; `max_new_tokens` is not the cause
+            raise UserError(f"the conversation with this turn is {len(ids)} tokens, the model's context "
+                            f"{model.args.block_size}: ask a shorter question, or start a new conversation")
         streamed, shown = [], [""]
 
         def stream(token):

@@ -7,6 +7,7 @@ Most rows run generate.py's command line in this process (cli.cli(argv): run_cli
 without the ~3 CPU seconds of a new interpreter); the torchrun and Ctrl-C rows need processes of their own.
 """
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -438,6 +439,15 @@ def test_chat_input_that_is_not_utf8_is_one_line(monkeypatch):
     monkeypatch.setattr("builtins.input", lambda question: "caf\udce9")
     with pytest.raises(errors.UserError, match="not UTF-8"):
         cli.read_line("? ")
+
+
+def test_a_chat_turn_beyond_the_context_does_not_blame_max_new_tokens(random_target, monkeypatch, capsys):
+    """A conversation's turn too long for the model was reported as "`--max_new_tokens` (1) ...: lower
+    --max_new_tokens", a value the user never gave and whose lowering cannot help."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x " * 400 + "\n"))
+    result = run_cli(capsys, "--checkpoint_path", random_target, "--max_new_tokens", 3, "--device", "cpu", "--chat")
+    assert_one_line(result, "conversation", "context 256")
+    assert "max_new_tokens" not in result[1][0]
 
 
 def test_too_many_draft_tokens_before_the_model_is_known_says_the_limit():
