@@ -129,6 +129,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/bench.json")
     args = p.parse_args(argv)
+    benchlib.check_counts(args, "prompt_tokens", "new_tokens", "large_new_tokens", "repeats", "threads")
     torch.set_num_threads(args.threads or os.cpu_count())
     if not args.tiny_checkpoint.is_file():
         sys.exit(f"error: {args.tiny_checkpoint} not found: train it with python scripts/train_tiny.py")

@@ -165,6 +165,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    benchlib.check_counts(args, "turns", "new_tokens", "repeats", "threads")
     if not args.skip_decode and not Path(args.checkpoint_path).is_file():  # before the products' timings
         raise UserError(f"checkpoint not found: {args.checkpoint_path} (pass the fp32 model.pth, or --skip_decode)")
     if args.threads:

@@ -144,6 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     args = parse_args(argv)
+    benchlib.check_counts(args, "prompt_tokens", "new_tokens", "k", "tree_nodes", "repeats", "threads")
     torch.set_num_threads(args.threads or os.cpu_count())
     torch._dynamo.config.cache_size_limit = 64
     target_pth, draft_pth = args.pair / "target/model.pth", args.pair / "draft/model.pth"

@@ -109,6 +109,7 @@ def main(argv=None):
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/compile.json")
     p.add_argument("--child", nargs=3, metavar=("VARIANT", "TARGET", "DRAFT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    benchlib.check_counts(args, "new_tokens", "repeats", "threads", zero_means_default=())
     torch.set_num_threads(args.threads)
     if args.child:
         variant, target, draft = args.child

@@ -91,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     args = parse_args(argv)
+    benchlib.check_counts(args, "prompts", "prompt_tokens", "new_tokens", "k", "repeats", "threads")
     torch.set_num_threads(args.threads or os.cpu_count())
     target_pth, draft_pth = pair_paths(args.pair, args.draft)
     target, draft = generation.load_model(target_pth), generation.load_model(draft_pth)

@@ -141,6 +141,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    benchlib.check_counts(args, "new_tokens", "repeats")
     import torch
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("no CUDA device: this benchmark measures decode on a GPU")

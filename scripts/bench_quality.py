@@ -64,6 +64,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/quality.json")
     args = p.parse_args(argv)
+    benchlib.check_counts(args, "ctx", "chunks", "threads", zero_means_default=())
     torch.set_num_threads(args.threads)
     model_pth = args.checkpoint_dir / "model.pth"
     if not model_pth.is_file():

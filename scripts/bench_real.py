@@ -122,6 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     args = parse_args(argv)
+    benchlib.check_counts(args, "new_tokens", "repeats", "threads")
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
     bandwidth = benchlib.measure_bandwidth()  # this run's, as the machine's moves between runs

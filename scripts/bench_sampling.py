@@ -76,6 +76,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     p.add_argument("--json", type=Path, default=ROOT / "bench_results/sampling.json")
     args = p.parse_args(argv)
+    benchlib.check_counts(args, "calls", "repeats", "threads")
     torch.set_num_threads(args.threads or os.cpu_count())
     settings = {"T=0.7": decode.Sampling(0.7), "T=0.7 top-k 200": decode.Sampling(0.7, top_k=200),
                 "T=0.7 top-k 200 top-p 0.9": decode.Sampling(0.7, top_k=200, top_p=0.9),

@@ -376,6 +376,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     args = parse_args(argv)
+    benchlib.check_counts(args, "prompts", "prompt_tokens", "copy_tokens", "new_tokens", "k", "repeats", "threads")
     torch.set_num_threads(args.threads or os.cpu_count())
     torch._dynamo.config.cache_size_limit = 64
     if args.checkpoint_dir is not None:

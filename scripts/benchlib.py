@@ -39,6 +39,16 @@ def machine() -> dict:
     return info
 
 
+def check_counts(args, *names, zero_means_default=("threads",)):
+    """Counts a benchmark takes as flags, refused before any timing: --repeats 0 ran every build and warm-up, then
+    failed in min() of no times (a traceback); --threads -1 failed in torch.set_num_threads. 0 threads means every
+    core where the flag's help says so."""
+    for name in names:
+        value, least = getattr(args, name), 0 if name in zero_means_default else 1
+        if value is not None and value < least:
+            raise UserError(f"--{name} must be >= {least}, got {value}")
+
+
 def best_seconds(fn, repeats: int) -> float:
     fn()
     times = []

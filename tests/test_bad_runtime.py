@@ -510,6 +510,26 @@ def test_a_benchmark_only_that_names_nothing_is_refused_before_timing():
         benchlib.pick(configs, "chain K=5,nomatch")
 
 
+BENCH_COUNTS = {"bench": "--repeats", "bench_a8": "--turns", "bench_batched": "--k", "bench_compile": "--new_tokens",
+                "bench_crossdraft": "--prompts", "bench_gpu": "--repeats", "bench_quality": "--chunks",
+                "bench_real": "--repeats", "bench_sampling": "--calls", "bench_speculative": "--prompt_tokens"}
+
+
+@pytest.mark.parametrize("script, flag", BENCH_COUNTS.items(), ids=BENCH_COUNTS.keys())
+def test_a_benchmark_count_of_zero_is_refused_before_timing(script, flag, monkeypatch):
+    """`--repeats 0` ran every build and warm-up, then failed in min() of no times (a traceback); `--threads -1` in
+    torch.set_num_threads."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import importlib
+    bench = importlib.import_module(script)
+    monkeypatch.setattr(bench.benchlib, "measure_bandwidth", lambda *a, **k: pytest.fail("timed before the check"))
+    with pytest.raises(errors.UserError, match=f"{flag} must be >= 1, got 0"):
+        bench.main([flag, "0"])
+    if script not in ("bench_gpu",):  # its threads are the GPU's
+        with pytest.raises(errors.UserError, match="--threads must be >= [01], got -1"):
+            bench.main(["--threads", "-1"])
+
+
 def test_a_template_that_renders_nothing_says_so():
     """It was reported later as "the prompt is empty", though the user gave one."""
     with pytest.raises(errors.UserError, match="renders the conversation as nothing"):
