@@ -99,6 +99,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             raise UserError(f"--tree_nodes must be an integer or 'auto', got {nodes!r}") from None
     prompt, prompts_file = args.prompt if args.prompt is not None else DEFAULTS.prompt, None
     if prompt.startswith("@"):
+        if prompt == "@":  # Path("") is the current directory: "is a directory" would not say what is missing
+            raise UserError("--prompt @FILE: name the file of prompts after the @")
         prompts_file, prompt = Path(prompt[1:]), DEFAULTS.prompt
     return Settings(args.checkpoint_path, args.draft_checkpoint_path, prompt, args.chat, args.num_samples,
                     args.max_new_tokens, args.batch_size, prompts_file, args.temperature, args.top_k,
@@ -116,6 +118,8 @@ def main(argv=None) -> dict:
     try:
         settings = settings_from(args)
         conversation = args.chat and args.prompt is None
+        if conversation and settings.batch_size > 1:  # one conversation, streamed: a batch would count copies
+            raise UserError("--chat without --prompt holds one conversation: --batch_size must be 1")
         return run(settings, print, questions(settings.device) if conversation else None)
     except UserError as e:
         raise UserError(flag_names(str(e), FLAGS)) from None

@@ -303,6 +303,9 @@ CASES = [
     # --- generate.py: flags
     gen("prompt_99999999999_tokens", "--prompt", "99999999999", expect=["--prompt"]),
     here(gen("prompt_longer_than_context", "--prompt", "300", expect=["--max_new_tokens", "256"])),
+    here(gen("prompt_file_without_a_name", "--prompt", "@", expect=["--prompt @FILE"])),
+    here(Case("chat_conversation_in_a_batch", ["generate.py", "--checkpoint_path", "{ckpt}/model.pth", "--chat",
+                                               "--batch_size", "2", "--max_new_tokens", "2"], ["--batch_size"])),
     gen("prompt_not_utf8", "--prompt", os.fsdecode(b"caf\xe9 \xff"), expect=["--prompt"]),
     gen("seed_1e23", "--seed", "1e23", expect=["--seed"], status=2),
     here(gen("seed_negative", "--seed", "-1", expect=["--seed"])),
