@@ -151,6 +151,10 @@ def model_args(meta: dict, tensors: dict, path: Path) -> ModelArgs:
                     limit=2**14)
     if {head_dim} != {meta.get(f"llama.{key}", head_dim) for key in ("rope.dimension_count", "attention.value_length")}:
         raise UserError(f"{path}: RoPE over part of a head, or values of another width than keys, is not supported")
+    if head_dim % 2:  # RoPE turns pairs of dimensions (the converted config.json would be refused at load)
+        raise UserError(f"{path}: the head width is {head_dim} (metadata 'llama.attention.key_length', else "
+                        f"'llama.embedding_length' / 'llama.attention.head_count'), not an even number: the file is damaged; "
+                        f"download it again")
     tokens = require(path, meta, "tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not 0 < len(tokens) <= 2**24:
         raise UserError(f"{path}: metadata 'tokenizer.ggml.tokens' is {'empty' if tokens == [] else 'not a list'}, "

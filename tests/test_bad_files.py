@@ -235,6 +235,8 @@ BAD_METADATA = {  # id: (metadata changes, the GGUF key the line names)
     "width-0": (dict(llama__embedding_length=0), "llama.embedding_length"),
     "ffn-0": (dict(llama__feed_forward_length=0), "llama.feed_forward_length"),
     "head-width-0": (dict(llama__rope__dimension_count=0), "llama.rope.dimension_count"),
+    "head-width-odd": (dict(llama__attention__key_length=15, llama__attention__value_length=15,
+                            llama__rope__dimension_count=15), "llama.attention.key_length"),
     "no-vocabulary": (dict(tokenizer__ggml__tokens=[], tokenizer__ggml__token_type=[]), "tokenizer.ggml.tokens"),
     "bos-out-of-vocabulary": (dict(tokenizer__ggml__bos_token_id=10**6), "tokenizer.ggml.bos_token_id"),
     "linear-rope-factor-nan": (dict(llama__rope__scaling__type="linear", llama__rope__scaling__factor=NAN),
