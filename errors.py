@@ -353,6 +353,20 @@ def remove_stale_partials(directory: Path):
 OWN_OUTPUT_KEYS = (b'"tokens_per_sec"', b'"perplexity"', b'"traceEvents"')
 
 
+def read_user_text(path, setting: str, fix: str, limit: int = 1 << 30) -> str:
+    """A UTF-8 text file a setting names, or one line saying why not. At most `limit` bytes are read: a device that
+    never ends (/dev/zero) or a file far beyond any use is refused, not read until memory runs out."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) <= limit:
+            return data.decode("utf-8")
+        reason = f"more than {limit >> 20} MB"
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8"
+    raise UserError(f"`{setting}` {path}: cannot read it ({reason}): {fix}")
+
+
 def check_output_file(path: Path, setting: str):
     """An output file (stats, a trace): a new or empty file, or one this program wrote, in a writable directory.
     Anything else (a checkpoint, a directory, a device) is refused before the run, not clobbered after it."""

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from errors import UserError, check_output_file, flag_names, interruptible_imports, run_cli, write_output
+from errors import (UserError, check_output_file, flag_names, interruptible_imports, read_user_text, run_cli,
+                    write_output)
 
 interruptible_imports(__name__)  # Ctrl-C while torch loads: one line, exit 130
 import torch  # noqa: E402
@@ -406,11 +407,7 @@ class Settings:
 
 
 def read_text(path: Path) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "not UTF-8"
-        raise UserError(f"`text` {path}: cannot read it ({reason}): pass a UTF-8 text file") from None
+    return read_user_text(path, "text", "pass a UTF-8 text file")
 
 
 def run(settings: Settings, say=print) -> dict:

@@ -27,7 +27,8 @@ from compilation import COMPILE_MODES, compile_head, model_key_fields
 from decode import EOS_CHECK_EVERY, PRECISIONS, Engine, Sampling, chosen_is_finite, compile_engine, decode_n_tokens, \
     sample, sdpa_context
 from draftmodel import ModelDrafter
-from errors import UserError, check_output_file, load_weights, quiet_stderr, read_checkpoint, write_output
+from errors import (UserError, check_output_file, load_weights, quiet_stderr, read_checkpoint, read_user_text,
+                    write_output)
 from grammar import Constraint, Grammars, SchemaError, check_schema
 from model import ModelArgs, Transformer
 from speculate import MAX_AUTO_NODES, MAX_TREE_NODES, AutoChoice, NgramDrafter, Speculator, StoredCosts, auto_arms, \
@@ -642,10 +643,7 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, block_size: int):
 
 def read_prompts_file(path: Path) -> list:
     """One prompt per non-empty line, plain text or a JSON object with a "prompt" string."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"`prompts_file` {path}: cannot read it ({e}): pass a UTF-8 text file") from None
+    lines = read_user_text(path, "prompts_file", "pass a UTF-8 text file", limit=1 << 26).splitlines()
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -734,10 +732,9 @@ class Settings:
 
 def read_json_schema(path: Path):
     """The JSON Schema in a file (`json_schema`), or one line saying why it cannot be read."""
+    text = read_user_text(path, "json_schema", "pass a JSON Schema file", limit=1 << 24)
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"`json_schema` {path}: cannot read it ({e}): pass a JSON Schema file") from None
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"`json_schema` {path} is not JSON ({e}): pass a JSON Schema file") from None
 

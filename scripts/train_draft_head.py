@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 from chat_requests import chat_questions  # noqa: E402
-from errors import UserError, interruptible_imports, run_cli, write_atomically  # noqa: E402
+from errors import UserError, interruptible_imports, read_user_text, run_cli, write_atomically  # noqa: E402
 
 interruptible_imports(__name__)  # Ctrl-C from here on: one line, exit 130
 
@@ -564,13 +564,7 @@ def check_args(args: argparse.Namespace) -> list:
     if not args.checkpoint_path.is_file():
         raise UserError(f"no checkpoint at {args.checkpoint_path}: convert or download one first")
     check_out(args.out, args.checkpoint_path)
-    texts = []
-    for path in args.text:
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read `text` {path} ({e}): pass a UTF-8 text file") from None
-    return texts
+    return [read_user_text(path, "text", "pass a UTF-8 text file") for path in args.text]
 
 
 def check_out(out: Path, checkpoint_path: Path):

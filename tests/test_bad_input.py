@@ -304,6 +304,9 @@ CASES = [
     gen("prompt_99999999999_tokens", "--prompt", "99999999999", expect=["--prompt"]),
     here(gen("prompt_longer_than_context", "--prompt", "300", expect=["--max_new_tokens", "256"])),
     here(gen("prompt_file_without_a_name", "--prompt", "@", expect=["--prompt @FILE"])),
+    # a device that never ends is refused after a bound, not read until memory runs out
+    here(gen("prompts_file_endless", "--prompt", "@/dev/zero", expect=["--prompts_file", "/dev/zero", "more than"])),
+    here(gen("json_schema_endless", "--json_schema", "/dev/zero", expect=["--json_schema", "/dev/zero", "more than"])),
     here(Case("chat_conversation_in_a_batch", ["generate.py", "--checkpoint_path", "{ckpt}/model.pth", "--chat",
                                                "--batch_size", "2", "--max_new_tokens", "2"], ["--batch_size"])),
     gen("prompt_not_utf8", "--prompt", os.fsdecode(b"caf\xe9 \xff"), expect=["--prompt"]),
