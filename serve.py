@@ -1363,7 +1363,7 @@ def read_tool_calls(calls, where: str) -> Optional[list]:
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, an integer too long to convert, nested too deeply
             arguments = None
         if not isinstance(arguments, dict):  # templates iterate its items: a list or a number would fail there
             raise ApiError(400, f"`{where}[{j}].function.arguments` must be the JSON text of an object",
@@ -1692,10 +1692,10 @@ async def read_json(request) -> dict:
     """The body as a JSON object, or a 400 that says what is wrong with it."""
     try:
         body = json.loads(await read_body(request))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
     except RecursionError:
         raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+        raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
     return body
