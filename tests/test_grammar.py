@@ -289,8 +289,9 @@ def test_schemas_nest_up_to_max_depth_and_annotations_are_values(server):
              "properties": {"enum": {"type": "string", "maxLength": 3}}, "required": ["enum"]}
     assert grammar.length_patterns(noted)["properties"]["enum"]["pattern"].endswith("{0,3}$")
     for schema in (nested(grammar.MAX_DEPTH), noted):
-        status, reply = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40, "response_format": {
-            "type": "json_schema", "json_schema": {"schema": schema}}})
+        form = {"type": "json_schema", "json_schema": {"schema": schema}}
+        status, reply = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40,
+                                                             "response_format": form})
         assert status == 200, reply
         if reply["choices"][0]["finish_reason"] == "stop":
             jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), schema)
