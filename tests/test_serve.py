@@ -704,6 +704,21 @@ BAD = [  # (path, body, status, param)
     # an earlier tool call's arguments that the JSON parser refuses other than as bad JSON (they were a 500)
     *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, earlier_call(arguments)]}, 400,
        "messages[1].tool_calls[0].function.arguments") for arguments in ('{"a": ' + "1" * 5000 + "}", "[" * 10**5)],
+    # wrong types inside messages, tools and response_format (they were accepted, and dropped or rendered as given)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages[0].name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, dict(earlier_call("{}"), tool_calls=[
+        {"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}])]}, 400,
+     "messages[1].tool_calls[0].id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, earlier_call("{}"), {
+        "role": "tool", "content": "3", "tool_call_id": ["c"]}]}, 400, "messages[2].tool_call_id"),
+    *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                "tools": [{"type": "function", "function": {"name": "f", field: value}}]}, 400,
+       f"tools[0].function.{field}") for field, value in (("description", 5), ("strict", "yes"))],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, 400,
+     "parallel_tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": ["x"], "schema": {"type": "object"}}}}, 400,
+     "response_format.json_schema.name"),
 ]
 
 
