@@ -738,7 +738,7 @@ def read_json_schema(path: Path):
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"`json_schema` {path}: cannot read it ({e}): pass a JSON Schema file") from None
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, an integer too long to convert, nested too deeply
         raise UserError(f"`json_schema` {path} is not JSON ({e}): pass a JSON Schema file") from None
 
 

@@ -388,7 +388,9 @@ def test_a_grammar_never_allows_part_of_a_character(library):
 
 
 def test_a_schema_file_that_cannot_be_read_is_one_line(target, tmp_path):
-    for name, text, why in (("missing.json", None, "cannot read it"), ("bad.json", "{nope", "is not JSON")):
+    for name, text, why in (("missing.json", None, "cannot read it"), ("bad.json", "{nope", "is not JSON"),
+                            ("long.json", '{"maximum": ' + "9" * 5000 + "}", "is not JSON"),
+                            ("deep.json", "[" * 10**5, "is not JSON")):
         path = tmp_path / name
         if text is not None:
             path.write_text(text)
