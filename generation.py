@@ -735,7 +735,7 @@ def read_json_schema(path: Path):
     text = read_user_text(path, "json_schema", "pass a JSON Schema file", limit=1 << 24)
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, an integer too long to convert, nested too deeply
         raise UserError(f"`json_schema` {path} is not JSON ({e}): pass a JSON Schema file") from None
 
 

@@ -38,7 +38,9 @@ TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 FORMATS = {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
            "uuid"}
 SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
-VALUES = ("enum", "const", "default", "examples")  # keywords whose values are JSON values, not schemas
+# schemas inside schemas: deeper nesting is refused before the recursive passes over it (here, length_patterns,
+# xgrammar's converter) run out of stack; real schemas nest a few levels (OpenAI's strict mode allows 10)
+MAX_DEPTH = 64
 
 
 class SchemaError(UserError):
@@ -49,13 +51,15 @@ class SchemaError(UserError):
         self.field = field
 
 
-def check_schema(schema, where: str):
-    """Refuse (SchemaError naming the field) a schema that is not JSON Schema or that uses a keyword the grammar
-    does not enforce, before anything is compiled."""
+def check_schema(schema, where: str, depth: int = 0):
+    """Refuse (SchemaError naming the field) a schema that is not JSON Schema, that uses a keyword the grammar
+    does not enforce, or that nests schemas more than MAX_DEPTH deep, before anything is compiled."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         raise SchemaError(f"`{where}` must be a JSON Schema object, got {json.dumps(schema)[:80]}", where)
+    if depth > MAX_DEPTH:
+        raise SchemaError(f"`{where}`: schemas nested more than {MAX_DEPTH} deep are not supported", where)
     for key, value in schema.items():
         at = f"{where}.{key}"
         if key in UNSUPPORTED and not (key == "uniqueItems" and value is False):
@@ -70,14 +74,14 @@ def check_schema(schema, where: str):
             if not isinstance(value, dict):
                 raise SchemaError(f"`{at}` must be an object of schemas", at)
             for name, sub in value.items():
-                check_schema(sub, f"{at}.{name}")
+                check_schema(sub, f"{at}.{name}", depth + 1)
         elif key in ("items", "additionalProperties"):
-            check_schema(value, at)
+            check_schema(value, at, depth + 1)
         elif key in ("anyOf", "prefixItems"):
             if not isinstance(value, list) or not value:
                 raise SchemaError(f"`{at}` must be a non-empty list of schemas", at)
             for i, sub in enumerate(value):
-                check_schema(sub, f"{at}[{i}]")
+                check_schema(sub, f"{at}[{i}]", depth + 1)
         elif key == "required" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise SchemaError(f"`{at}` must be a list of property names", at)
         elif key == "enum" and not (isinstance(value, list) and value):
@@ -102,11 +106,19 @@ def length_patterns(schema):
     """The schema with each string's minLength / maxLength written as a pattern of that many plain characters (no
     control character, quote or backslash): xgrammar's length-bounded strings let control characters through, which
     no JSON parser reads. A subset of the strings the lengths allow, so every answer still validates."""
-    if isinstance(schema, list):
-        return [length_patterns(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: value if key in VALUES else length_patterns(value) for key, value in schema.items()}
+    # only where check_schema looks for schemas (and bounds their depth): an annotation's value is left as it is
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: length_patterns(sub) for name, sub in schema[key].items()}
+    for key in ("items", "additionalProperties"):
+        if key in schema:
+            out[key] = length_patterns(schema[key])
+    for key in ("anyOf", "prefixItems"):
+        if isinstance(schema.get(key), list):
+            out[key] = [length_patterns(sub) for sub in schema[key]]
     low, high = schema.get("minLength"), schema.get("maxLength")
     if "pattern" not in schema and any(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
         low = low if isinstance(low, int) else 0

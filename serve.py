@@ -1200,14 +1200,16 @@ class Scheduler:
 
 # ----------------------------------------------------------------------------- checking a request
 
-def field_of(body: dict, name: str, kinds, default=None, check=None, explain: str = ""):
-    """body[name] if it has one of the JSON types `kinds` (and passes check), the default if absent or null."""
+def field_of(body: dict, name: str, kinds, default=None, check=None, explain: str = "", where: str = None):
+    """body[name] if it has one of the JSON types `kinds` (and passes check), the default if absent or null. The
+    400 names `where` (the field's path, for one inside an object of the body), else `name`."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds) \
             or (isinstance(value, float) and not math.isfinite(value)) or (check is not None and not check(value)):
-        raise ApiError(400, f"`{name}` must be {explain}, got {json.dumps(value)[:80]}", name, "invalid_value")
+        where = where or name
+        raise ApiError(400, f"`{where}` must be {explain}, got {json.dumps(value)[:80]}", where, "invalid_value")
     return value
 
 
@@ -1260,6 +1262,7 @@ def read_settings(body: dict, chat: bool) -> dict:
     """The generation settings of a request body, each checked (400 naming the field)."""
     number = (int, float)
     field_of(body, "n", (int,), 1, lambda v: v == 1, "1 (one choice per request)")
+    field_of(body, "parallel_tool_calls", (bool,), None, None, "true or false")
     for name in ("presence_penalty", "frequency_penalty"):
         field_of(body, name, number, 0, lambda v: v == 0, "0 (penalties are not supported)")
     refuse_unsupported(body, chat)
@@ -1341,8 +1344,10 @@ def read_messages(body: dict) -> list:
         message = {"role": check_text(m["role"], f"{where}.role"), "content": check_text(content, f"{where}.content")}
         if calls:
             message["tool_calls"] = calls
-        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
-            message["tool_call_id"] = m["tool_call_id"]
+        field_of(m, "name", (str,), None, None, "a string", f"{where}.name")
+        call_id = field_of(m, "tool_call_id", (str,), None, None, "a string", f"{where}.tool_call_id")
+        if m["role"] == "tool" and call_id is not None:
+            message["tool_call_id"] = call_id
         out.append(message)
     return out
 
@@ -1363,11 +1368,13 @@ def read_tool_calls(calls, where: str) -> Optional[list]:
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, an integer too long to convert, nested too deeply
             arguments = None
         if not isinstance(arguments, dict):  # templates iterate its items: a list or a number would fail there
             raise ApiError(400, f"`{where}[{j}].function.arguments` must be the JSON text of an object",
                            f"{where}[{j}].function.arguments", "invalid_value")
+        field_of(call, "id", (str,), None, None, "a string", f"{where}[{j}].id")
+        field_of(call, "type", (str,), None, lambda v: v == "function", '"function"', f"{where}[{j}].type")
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out
@@ -1405,6 +1412,9 @@ def read_structure(body: dict, chat: bool, grammars) -> Structure:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
             raise ApiError(400, "`response_format.json_schema.schema` must be a JSON Schema object",
                            "response_format.json_schema.schema", "invalid_value")
+        for name, kinds, explain in (("name", str, "a string"), ("description", str, "a string"),
+                                     ("strict", bool, "true or false")):
+            field_of(spec, name, (kinds,), None, None, explain, f"response_format.json_schema.{name}")
         schema = spec["schema"]
         schema_error(check_schema, schema, "response_format.json_schema.schema")
     tools = read_tools(body) if chat else []
@@ -1452,6 +1462,8 @@ def read_tools(body: dict) -> list:
         if name in [n for n, _, _ in out]:
             raise ApiError(400, f"`{where}.function.name` {name!r} names two tools", f"{where}.function.name",
                            "invalid_value")
+        field_of(function, "description", (str,), None, None, "a string", f"{where}.function.description")
+        field_of(function, "strict", (bool,), None, None, "true or false", f"{where}.function.strict")
         parameters = function.get("parameters")
         parameters = NO_PARAMETERS if parameters is None else parameters  # null, as elsewhere, is absent
         schema_error(check_schema, parameters, f"{where}.function.parameters")
@@ -1692,10 +1704,10 @@ async def read_json(request) -> dict:
     """The body as a JSON object, or a 400 that says what is wrong with it."""
     try:
         body = json.loads(await read_body(request))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
     except RecursionError:
         raise ApiError(400, "the body's JSON is nested too deeply", None, "invalid_json") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+        raise ApiError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
     return body

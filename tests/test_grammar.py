@@ -234,6 +234,17 @@ def test_tools_reach_the_chat_template_or_a_system_message(library):
 # ----------------------------------------------------------------------------- bad input, dead ends
 
 SCHEMA_FIELD = "response_format.json_schema.schema"
+
+
+def nested(depth: int) -> dict:
+    """A schema of `depth` levels of anyOf around a string."""
+    schema = {"type": "string", "maxLength": 3}
+    for _ in range(depth):
+        schema = {"anyOf": [schema, {"type": "null"}]}
+    return schema
+
+
+DEEPEST = ".anyOf[0]" * (grammar.MAX_DEPTH + 1)  # where a schema nested too deeply is refused
 BAD = [  # (body fields, the field named)
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, SCHEMA_FIELD + ".type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
@@ -254,16 +265,36 @@ BAD = [  # (body fields, the field named)
     *[({"tools": TOOLS, "messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]},
        f"messages[{len(MESSAGES)}].tool_calls[0].function.arguments") for arguments in ("[1, 2]", 7, "{'a': 1")],
+    # nested past what the recursive passes over a schema can take (they were a 500)
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": nested(300)}}}, SCHEMA_FIELD + DEEPEST),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(300)}}]},
+     "tools[0].function.parameters" + DEEPEST),
 ]
 
 
-@pytest.mark.parametrize("fields, param", BAD, ids=[param for _, param in BAD])
+@pytest.mark.parametrize("fields, param", BAD, ids=[param[:80] for _, param in BAD])
 def test_bad_schemas_and_tools_are_a_400_naming_the_field(server, fields, param):
     before = server.scheduler.metrics.prompt_tokens
     status, reply = server.post("/v1/chat/completions", {"messages": MESSAGES, **fields})
     assert status == 400 and reply["error"]["param"] == param, reply
     assert param.split("[")[0].split(".")[0] in reply["error"]["message"]
     assert server.scheduler.metrics.prompt_tokens == before  # refused before it was queued
+
+
+def test_schemas_nest_up_to_max_depth_and_annotations_are_values(server):
+    """A schema nested MAX_DEPTH deep is enforced; an annotation's value is not a schema, however deep (it was walked
+    as one, which ran out of stack), and a property named like a keyword is a schema (its length bound kept)."""
+    grammar.check_schema(nested(grammar.MAX_DEPTH), "s")
+    noted = {"type": "object", "x-note": json.loads("[" * 500 + "]" * 500),
+             "properties": {"enum": {"type": "string", "maxLength": 3}}, "required": ["enum"]}
+    assert grammar.length_patterns(noted)["properties"]["enum"]["pattern"].endswith("{0,3}$")
+    for schema in (nested(grammar.MAX_DEPTH), noted):
+        form = {"type": "json_schema", "json_schema": {"schema": schema}}
+        status, reply = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40,
+                                                             "response_format": form})
+        assert status == 200, reply
+        if reply["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), schema)
 
 
 DEAD_END = {"type": "string", "pattern": "^a[^\\s\\S]$"}  # after "a", no character can follow
@@ -357,7 +388,9 @@ def test_a_grammar_never_allows_part_of_a_character(library):
 
 
 def test_a_schema_file_that_cannot_be_read_is_one_line(target, tmp_path):
-    for name, text, why in (("missing.json", None, "cannot read it"), ("bad.json", "{nope", "is not JSON")):
+    for name, text, why in (("missing.json", None, "cannot read it"), ("bad.json", "{nope", "is not JSON"),
+                            ("long.json", '{"maximum": ' + "9" * 5000 + "}", "is not JSON"),
+                            ("deep.json", "[" * 10**5, "is not JSON")):
         path = tmp_path / name
         if text is not None:
             path.write_text(text)

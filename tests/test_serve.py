@@ -642,6 +642,12 @@ def test_models_health_and_metrics(server):
 
 # ----------------------------------------------------------------------------- bad input and faults
 
+def earlier_call(arguments) -> dict:
+    """An assistant message that called a tool with these arguments (OpenAI's JSON text)."""
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
 BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b"[1, 2]", 400, None),
@@ -664,6 +670,8 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", 3]}, 400, "stop"),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested past the JSON parser's recursion
+    # an integer of more digits than Python converts: the parser's ValueError (it was a 500 with a traceback)
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options.include_usage"),
@@ -693,6 +701,24 @@ BAD = [  # (path, body, status, param)
      "messages[0].content"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}, {"role": "\\ud83d", "content": ""}],'
      b' "stream": true}', 400, "messages[1].role"),
+    # an earlier tool call's arguments that the JSON parser refuses other than as bad JSON (they were a 500)
+    *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, earlier_call(arguments)]}, 400,
+       "messages[1].tool_calls[0].function.arguments") for arguments in ('{"a": ' + "1" * 5000 + "}", "[" * 10**5)],
+    # wrong types inside messages, tools and response_format (they were accepted, and dropped or rendered as given)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages[0].name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, dict(earlier_call("{}"), tool_calls=[
+        {"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}])]}, 400,
+     "messages[1].tool_calls[0].id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, earlier_call("{}"), {
+        "role": "tool", "content": "3", "tool_call_id": ["c"]}]}, 400, "messages[2].tool_call_id"),
+    *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                "tools": [{"type": "function", "function": {"name": "f", field: value}}]}, 400,
+       f"tools[0].function.{field}") for field, value in (("description", 5), ("strict", "yes"))],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, 400,
+     "parallel_tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": ["x"], "schema": {"type": "object"}}}}, 400,
+     "response_format.json_schema.name"),
 ]
 
 
