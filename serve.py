@@ -1233,7 +1233,7 @@ def number_is(value, neutral) -> bool:
 UNSUPPORTED = {
     "functions": lambda v: v == [], "function_call": lambda v: v == "none",
     "logit_bias": lambda v: v == {}, "top_logprobs": lambda v: v == 0,
-    "best_of": lambda v: v == 1 and not isinstance(v, bool), "suffix": lambda v: v == "",
+    "best_of": lambda v: number_is(v, 1), "suffix": lambda v: v == "",
     "modalities": lambda v: v == ["text"], "audio": lambda v: False, "prediction": lambda v: False,
     # other servers' sampling extensions (vLLM, llama-server): a client that sends them expects them applied
     "repetition_penalty": lambda v: number_is(v, 1), "min_p": lambda v: number_is(v, 0),

@@ -691,8 +691,7 @@ def parse_args(argv=None):
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.shapes:
         raise UserError(f"--shapes {','.join(unknown) or repr('')}: choose from {', '.join(SHAPES)}")
-    if args.new_tokens < 1 or args.repeats < 1 or args.threads < 1:
-        raise UserError("--new_tokens, --repeats and --threads must be at least 1")
+    benchlib.check_counts(args, "new_tokens", "repeats", "threads", zero_means_default=())
     return args
 
 

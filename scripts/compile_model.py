@@ -47,8 +47,9 @@ def compile_model(checkpoint_path, draft_checkpoint_path=None, speculation=None,
                   (getattr(drafter, "draft_model", None), None), (getattr(drafter, "head", None), "head")]
         # a few tokens: every graph the configuration runs is called (speculative runs verify a few trees); caches
         # checked against memory first (a batch beyond it was killed by the kernel, with no word, after the build)
-        generator.reserve(batch, 4 + 8, fix="lower `batch_size`")
-        generator.generate([1] * 4, 8, Sampling(0.0), stop_at_eos=False, batch_size=batch)
+        prompt, steps = [1] * 4, 8
+        generator.reserve(batch, len(prompt) + steps, fix="lower `batch_size`")
+        generator.generate(prompt, steps, Sampling(0.0), stop_at_eos=False, batch_size=batch)
         rows += [{"model": str(model.checkpoint_path), "stem": stem or Path(model.checkpoint_path).stem,
                   "batch": batch, "seconds": round(time.perf_counter() - start, 1)}
                  for model, stem in models if model is not None]
